@@ -1,0 +1,22 @@
+"""Test setup: CPU with 8 fake devices, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+
+def pytest_collection_modifyitems(config, items):
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    if on_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU; run on the device with -m gpu")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
