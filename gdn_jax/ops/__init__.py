@@ -1,0 +1,355 @@
+"""Public ops: validate → canonicalize → choose an implementation → run.
+
+Implementations are tried in order; one that cannot serve the arguments raises
+``NotImplementedError`` and the next is tried. ``implementation=None`` means ``("pallas", "xla")``
+on a Hopper GPU and ``("xla",)`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from gdn_jax.ops import _validate as val
+from gdn_jax.ops import _xla
+from gdn_jax.reference import recurrent as _rec
+
+__all__ = [
+    "gated_delta_rule",
+    "kda",
+    "gdn2",
+    "gated_delta_rule_step",
+    "kda_step",
+    "gdn2_step",
+    "IMPLEMENTATIONS",
+    "default_implementations",
+]
+
+IMPLEMENTATIONS = ("pallas", "xla")
+
+
+@functools.cache
+def _on_hopper() -> bool:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def default_implementations() -> tuple[str, ...]:
+    """The order tried for ``implementation=None`` on this platform."""
+    return ("pallas", "xla") if _on_hopper() else ("xla",)
+
+
+def _pallas(variant: str) -> Callable:
+    """The Pallas entry point for ``variant``, or NotImplementedError when there is none."""
+    try:
+        if variant == "gdn":
+            from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas as fn
+        else:
+            from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS
+
+            fn = CHANNEL_PALLAS[variant]
+    except (ImportError, KeyError) as e:
+        raise NotImplementedError(f"no Pallas kernels for {variant!r} in this build ({e})") from e
+    return fn
+
+
+def _run(variant: str, implementation, run_xla: Callable, run_pallas: Callable):
+    if implementation is None:
+        order = default_implementations()
+    elif isinstance(implementation, str):
+        order = (implementation,)
+    else:
+        order = tuple(implementation)
+    for name in order:
+        if name not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be None, one of {IMPLEMENTATIONS} or a sequence of them; got {name!r}"
+            )
+    errors = []
+    for name in order:
+        try:
+            return run_xla() if name == "xla" else run_pallas(_pallas(variant))
+        except NotImplementedError as e:
+            errors.append(e)
+    raise ExceptionGroup(
+        f"no implementation of {variant} could serve these arguments (tried {order})", errors
+    )
+
+
+def _scale(K: int, scale):
+    return K**-0.5 if scale is None else scale
+
+
+def gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    chunk_size: int = 64,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gated DeltaNet (scalar decay per head), chunked and trainable.
+
+    ``S ← e^{g_t} S;  S ← S + β_t k_t (v_t − Sᵀk_t)ᵀ;  o_t = scale · Sᵀ q_t`` (state S is K×V, f32).
+
+    Args:
+      q, k: [B, T, H, K] bf16/f16/f32.
+      v: [B, T, HV, V], same dtype; HV % H == 0 (value head i reads q/k head i // (HV // H)).
+      g: [B, T, HV] natural-log decay (usually ≤ 0), f32 (bf16/f16 upcast).
+      beta: [B, T, HV] write strength, f32 (bf16/f16 upcast).
+      scale: query scale, default K**-0.5.
+      initial_state: [N, HV, K, V] f32 or None (zeros); N = B, or len(cu_seqlens) - 1.
+      output_final_state: also return the final state.
+      use_qk_l2norm: L2-normalise q and k over K inside the op (gradient included).
+      cu_seqlens: [N + 1] int32 packed-sequence offsets (B must be 1); empty sequences allowed.
+      chunk_size: 16, 32 or 64.
+      implementation: None (best for the platform), "pallas", "xla", or a sequence tried in order.
+
+    Returns:
+      o [B, T, HV, V] in v.dtype, and the final state [N, HV, K, V] f32 (None unless
+      ``output_final_state``).
+
+    Example:
+      >>> o, s = gdn_jax.gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    """
+    B, T, H, HV, K, V, N = val.check_common(
+        q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
+    )
+    val.check_gate("g", g, (B, T, HV))
+    val.check_gate("beta", beta, (B, T, HV))
+    g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
+    scale = _scale(K, scale)
+
+    def run_xla():
+        b = beta[..., None]
+        return _xla.chunked(
+            q, k, v, g[..., None], b, b, scale=scale, initial_state=initial_state,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        )  # fmt: skip
+
+    def run_pallas(fn):
+        return fn(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        )  # fmt: skip
+
+    if T == 0:
+        return _empty(v, initial_state, N, HV, K, V, output_final_state)
+    o, final = _run("gdn", implementation, run_xla, run_pallas)
+    return o, (final if output_final_state else None)
+
+
+def _empty(v, initial_state, N, HV, K, V, output_final_state):
+    final = jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None else initial_state
+    return jnp.zeros(v.shape, v.dtype), (final if output_final_state else None)
+
+
+def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final_state,
+                use_qk_l2norm, cu_seqlens, chunk_size, implementation):  # fmt: skip
+    """Shared body of kda and gdn2 once their gates are given GDN2's form."""
+    B, T, H, HV, K, V = q.shape[0], q.shape[1], q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    scale = _scale(K, scale)
+
+    def run_xla():
+        return _xla.chunked(
+            q, k, v, g, b, w, scale=scale, initial_state=initial_state,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        )  # fmt: skip
+
+    def run_pallas(fn):
+        return fn(
+            q, k, v, g, b, w, scale=scale, initial_state=initial_state,
+            output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        )  # fmt: skip
+
+    if T == 0:
+        return _empty(v, initial_state, N, HV, K, V, output_final_state)
+    o, final = _run(variant, implementation, run_xla, run_pallas)
+    return o, (final if output_final_state else None)
+
+
+def kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    chunk_size: int = 64,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Kimi Delta Attention: GDN with a decay per key channel, chunked and trainable.
+
+    ``S ← Diag(e^{g_t}) S;  S ← S + β_t k_t (v_t − Sᵀk_t)ᵀ;  o_t = scale · Sᵀ q_t``.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V] (bf16/f16/f32, HV % H == 0).
+      g: [B, T, HV, K] per-channel log-decay, f32 (bf16/f16 upcast).
+      beta: [B, T, HV] f32 (bf16/f16 upcast).
+      Other keywords as :func:`gated_delta_rule`.
+
+    Returns:
+      o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] f32 or None.
+    """
+    B, T, H, HV, K, V, N = val.check_common(
+        q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
+    )
+    val.check_gate("g", g, (B, T, HV, K))
+    val.check_gate("beta", beta, (B, T, HV))
+    b = beta.astype(jnp.float32)[..., None]
+    return _channel_op(
+        "kda", q, k, v, g.astype(jnp.float32), b, b, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, implementation=implementation,
+    )  # fmt: skip
+
+
+def gdn2(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    b: jax.Array,
+    w: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    chunk_size: int = 64,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gated DeltaNet-2: channel decay, channel erase gate and channel write gate.
+
+    ``S ← Diag(e^{g_t}) S;  v' = w_t ⊙ v_t − Sᵀ(b_t ⊙ k_t);  S ← S + k_t v'ᵀ;  o_t = scale · Sᵀ q_t``.
+    ``b = w = β`` gives :func:`kda`.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V] (bf16/f16/f32, HV % H == 0).
+      g: [B, T, HV, K] log-decay; b: [B, T, HV, K] erase gate; w: [B, T, HV, V] write gate
+        (f32 or the io dtype; computed in f32).
+      Other keywords as :func:`gated_delta_rule`.
+
+    Returns:
+      o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] f32 or None.
+    """
+    B, T, H, HV, K, V, N = val.check_common(
+        q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
+    )
+    val.check_gate("g", g, (B, T, HV, K))
+    val.check_gate("b", b, (B, T, HV, K))
+    val.check_gate("w", w, (B, T, HV, V))
+    f = jnp.float32
+    return _channel_op(
+        "gdn2", q, k, v, g.astype(f), b.astype(f), w.astype(f), scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        implementation=implementation,
+    )  # fmt: skip
+
+
+def _check_step(q, k, v, state):
+    B, T, H, HV, K, V = val.check_qkv(q, k, v)
+    if T < 1:
+        raise ValueError(f"decode steps need T >= 1 tokens; got q.shape={q.shape}")
+    val.check_state("state", state, (B, HV, K, V))
+    return B, T, H, HV, K, V
+
+
+def gated_delta_rule_step(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Decode: append T ≥ 1 tokens of each of B sequences to their carried f32 states.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; state: [B, HV, K, V] f32.
+      scale, use_qk_l2norm: as :func:`gated_delta_rule`.
+
+    Returns:
+      o [B, T, HV, V] in v.dtype, new state [B, HV, K, V] f32. Jit with the state donated
+      (``donate_argnums``) to update it in place.
+    """
+    B, T, H, HV, K, V = _check_step(q, k, v, state)
+    val.check_gate("g", g, (B, T, HV))
+    val.check_gate("beta", beta, (B, T, HV))
+    b = beta.astype(jnp.float32)[..., None]
+    return _rec.recurrent_step(
+        q, k, v, g.astype(jnp.float32)[..., None], b, b, state, scale=_scale(K, scale),
+        use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+
+
+def kda_step(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Decode for :func:`kda`: g [B, T, HV, K], beta [B, T, HV], state [B, HV, K, V] f32."""
+    B, T, H, HV, K, V = _check_step(q, k, v, state)
+    val.check_gate("g", g, (B, T, HV, K))
+    val.check_gate("beta", beta, (B, T, HV))
+    b = beta.astype(jnp.float32)[..., None]
+    return _rec.recurrent_step(
+        q, k, v, g.astype(jnp.float32), b, b, state, scale=_scale(K, scale),
+        use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+
+
+def gdn2_step(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    b: jax.Array,
+    w: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Decode for :func:`gdn2`: g, b [B, T, HV, K], w [B, T, HV, V], state [B, HV, K, V] f32."""
+    B, T, H, HV, K, V = _check_step(q, k, v, state)
+    val.check_gate("g", g, (B, T, HV, K))
+    val.check_gate("b", b, (B, T, HV, K))
+    val.check_gate("w", w, (B, T, HV, V))
+    f = jnp.float32
+    return _rec.recurrent_step(
+        q, k, v, g.astype(f), b.astype(f), w.astype(f), state, scale=_scale(K, scale),
+        use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip

@@ -1,0 +1,123 @@
+"""Pieces shared by the recurrent and chunked references: L2 norm, packed-sequence indexing, and
+the chunk layout that maps tokens to fixed-size chunks that never straddle sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: jax.Array) -> jax.Array:
+    """``x / sqrt(sum(x**2) + 1e-6)`` over the last axis, computed in f32, returned in x.dtype."""
+    x32 = x.astype(f32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)).astype(
+        x.dtype
+    )
+
+
+def sequence_ids(cu_seqlens: jax.Array, T: int) -> jax.Array:
+    """[T] int32: the packed sequence each token belongs to (empty sequences own no token)."""
+    t = jnp.arange(T, dtype=jnp.int32)
+    return (jnp.searchsorted(cu_seqlens, t, side="right") - 1).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """Where every token sits once the sequence axis is cut into chunks of C rows.
+
+    The chunked tensors are ``[L, NC, C, ...]``: L lanes run their chunks one after another and
+    lanes run in parallel. Without ``cu_seqlens`` a lane is a batch row (L = B, NC = ceil(T / C)).
+    With ``cu_seqlens`` there is one lane (L = 1) that holds every sequence's chunks back to back,
+    NC = ceil(T / C) + N so that each sequence may end in a partial chunk; slots past the last
+    chunk are padding. Padded rows read as zeros (k = v = q = 0, g = 0, b = w = 0), which makes
+    them inert: a zero gate keeps the cumulative gate at the last valid row's value.
+
+    Attributes:
+      token: [L, NC, C] int32 flat token index (b * T + t) of each row, or -1 for padding.
+      seq: [L, NC] int32 sequence (state row) of each chunk; N for padding chunks.
+      first: [L, NC] bool, the chunk starts its sequence (the state resets to initial_state).
+      last: [L, NC] bool, the chunk ends its sequence (its end state is the final state).
+      slot: [B * T] int32 flat chunk-row index (into L * NC * C) of each token.
+      empty: [N] bool, sequences with no token (final state = initial state).
+    """
+
+    token: jax.Array
+    seq: jax.Array
+    first: jax.Array
+    last: jax.Array
+    slot: jax.Array
+    empty: jax.Array
+    packed: bool = dataclasses.field(metadata=dict(static=True), default=False)
+
+    def is_dense(self, B: int, T: int) -> bool:
+        """True when chunks are just the batch rows cut every C tokens (no cu_seqlens)."""
+        return not self.packed
+
+
+def chunk_layout(B: int, T: int, C: int, cu_seqlens: jax.Array | None) -> ChunkLayout:
+    """Builds the :class:`ChunkLayout` for ``B`` rows of ``T`` tokens (``B == 1`` with cu_seqlens)."""
+    if cu_seqlens is None:
+        NC = -(-T // C)
+        pos = jnp.arange(NC * C, dtype=jnp.int32).reshape(1, NC, C)
+        row0 = T * jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1)
+        token = jnp.where(pos < T, row0 + pos, -1)
+        seq = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC))
+        c = jnp.arange(NC)
+        first = jnp.broadcast_to(c == 0, (B, NC))
+        last = jnp.broadcast_to(c == NC - 1, (B, NC))
+        t = jnp.arange(B * T, dtype=jnp.int32)
+        slot = (t // T) * (NC * C) + t % T
+        return ChunkLayout(token, seq, first, last, slot, jnp.zeros((B,), bool))
+
+    N = cu_seqlens.shape[0] - 1
+    NC = -(-T // C) + N
+    cu = cu_seqlens.astype(jnp.int32)
+    lengths = cu[1:] - cu[:-1]
+    n_chunks = (lengths + C - 1) // C  # [N]
+    chunk_end = jnp.cumsum(n_chunks)  # [N], exclusive end slot of each sequence
+    chunk_start = chunk_end - n_chunks
+    c = jnp.arange(NC, dtype=jnp.int32)
+    seq = jnp.searchsorted(chunk_end, c, side="right").astype(jnp.int32)  # N past the end
+    seq_c = jnp.minimum(seq, N - 1)
+    in_range = seq < N
+    k_in_seq = c - chunk_start[seq_c]
+    start_tok = cu[seq_c] + k_in_seq * C
+    n_valid = jnp.where(in_range, jnp.clip(cu[seq_c + 1] - start_tok, 0, C), 0)
+    row = jnp.arange(C, dtype=jnp.int32)
+    token = jnp.where(row[None] < n_valid[:, None], start_tok[:, None] + row[None], -1)
+    first = in_range & (k_in_seq == 0)
+    last = in_range & (k_in_seq == n_chunks[seq_c] - 1)
+    tok_seq = sequence_ids(cu, T)
+    off = jnp.arange(T, dtype=jnp.int32) - cu[tok_seq]
+    slot = (chunk_start[tok_seq] + off // C) * C + off % C
+    return ChunkLayout(token[None], seq[None], first[None], last[None], slot, lengths == 0, True)
+
+
+def to_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
+    """[B, T, ...] -> [L, NC, C, ...]; padding rows are zero."""
+    B, T = x.shape[:2]
+    NC, C = layout.token.shape[1:]
+    if layout.is_dense(B, T):
+        pad = [(0, 0), (0, NC * C - T)] + [(0, 0)] * (x.ndim - 2)
+        return jnp.pad(x, pad).reshape((B, NC, C) + x.shape[2:])
+    # Packed: gather rows; index B*T points at an appended zero row (no mask to save for AD).
+    flat = jnp.concatenate(
+        [x.reshape((B * T,) + x.shape[2:]), jnp.zeros((1,) + x.shape[2:], x.dtype)]
+    )
+    idx = jnp.where(layout.token >= 0, layout.token, B * T)
+    return jnp.take(flat, idx, axis=0)
+
+
+def from_chunks(y: jax.Array, layout: ChunkLayout, B: int, T: int) -> jax.Array:
+    """[L, NC, C, ...] -> [B, T, ...] (drops padding rows)."""
+    if layout.is_dense(B, T):
+        return y.reshape((B, -1) + y.shape[3:])[:, :T]
+    flat = y.reshape((-1,) + y.shape[3:])
+    return jnp.take(flat, layout.slot, axis=0).reshape((B, T) + y.shape[3:])
