@@ -69,7 +69,8 @@ def _run(variant: str, implementation, run_xla: Callable, run_pallas: Callable):
     for name in order:
         if name not in IMPLEMENTATIONS:
             raise ValueError(
-                f"implementation must be None, one of {IMPLEMENTATIONS} or a sequence of them; got {name!r}"
+                f"implementation must be None, one of {IMPLEMENTATIONS} or a sequence of them; "
+                f"got {name!r}"
             )
     errors = []
     for name in order:
@@ -161,7 +162,8 @@ def _empty(v, initial_state, N, HV, K, V, output_final_state):
 def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final_state,
                 use_qk_l2norm, cu_seqlens, chunk_size, implementation):  # fmt: skip
     """Shared body of kda and gdn2 once their gates are given GDN2's form."""
-    B, T, H, HV, K, V = q.shape[0], q.shape[1], q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    B, T, K = q.shape[0], q.shape[1], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     scale = _scale(K, scale)
 
@@ -243,7 +245,8 @@ def gdn2(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gated DeltaNet-2: channel decay, channel erase gate and channel write gate.
 
-    ``S ← Diag(e^{g_t}) S;  v' = w_t ⊙ v_t − Sᵀ(b_t ⊙ k_t);  S ← S + k_t v'ᵀ;  o_t = scale · Sᵀ q_t``.
+    ``S ← Diag(e^{g_t}) S;  v' = w_t ⊙ v_t − Sᵀ(b_t ⊙ k_t);  S ← S + k_t v'ᵀ;``
+    ``o_t = scale · Sᵀ q_t``.
     ``b = w = β`` gives :func:`kda`.
 
     Args:

@@ -62,7 +62,7 @@ class ChunkLayout:
 
 
 def chunk_layout(B: int, T: int, C: int, cu_seqlens: jax.Array | None) -> ChunkLayout:
-    """Builds the :class:`ChunkLayout` for ``B`` rows of ``T`` tokens (``B == 1`` with cu_seqlens)."""
+    """The :class:`ChunkLayout` of ``B`` rows of ``T`` tokens (``B == 1`` with cu_seqlens)."""
     if cu_seqlens is None:
         NC = -(-T // C)
         pos = jnp.arange(NC * C, dtype=jnp.int32).reshape(1, NC, C)

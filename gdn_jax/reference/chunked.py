@@ -4,8 +4,10 @@ The stages (DESIGN §3, research/algorithms.md §1.3) work on chunked tensors ``
 (see :class:`gdn_jax.reference._common.ChunkLayout`):
 
 1. :func:`gate_cumsum`       G = chunk-local cumulative log-decay (f32).
-2. :func:`intra_chunk`       A = (I + strict_tril(b k kᵀ ⊙ decay))⁻¹, w = A(b ⊙ e^G ⊙ k), u = A(w_gate ⊙ v).
-3. :func:`state_recurrence`  sequential over chunks: v_new = u − w S, S ← e^{G_last} S + (k e^{G_last−G})ᵀ v_new.
+2. :func:`intra_chunk`       A = (I + strict_tril(b k kᵀ ⊙ decay))⁻¹,
+                             w = A(b ⊙ e^G ⊙ k), u = A(w_gate ⊙ v).
+3. :func:`state_recurrence`  sequential over chunks: v_new = u − w S,
+                             S ← e^{G_last} S + (k e^{G_last−G})ᵀ v_new.
 4. :func:`chunk_output`      o = scale [(q e^G) S + (q kᵀ ⊙ decay ⊙ causal) v_new].
 
 Gates carry a trailing axis: ``Kg = 1`` for a scalar decay per head (GDN), ``Kg = K`` for a decay

@@ -8,7 +8,8 @@ write gate ``w`` over V (DESIGN §3)::
     S <- S + k_t v'^T
     o_t = scale * S^T q_t
 
-GDN is ``g`` scalar per head and ``b = w = beta``; KDA is ``g`` per key channel and ``b = w = beta``.
+GDN is ``g`` scalar per head and ``b = w = beta``; KDA is ``g`` per key channel and
+``b = w = beta``.
 
 Precision: the state is f32. The products with the state (``S^T k``, ``S^T q``) take their operands
 in the io dtype of ``v`` (the state is rounded to it, as a tensor-core operand would be) and
@@ -164,7 +165,7 @@ def recurrent_kda(
     cu_seqlens=None,
     chunk_size=64,
 ):
-    """KDA by its token recurrence (decay per key channel, g [B, T, HV, K]). Shapes as ``gdn_jax.kda``."""
+    """KDA by its token recurrence (channel decay g [B, T, HV, K]). Shapes as ``gdn_jax.kda``."""
     del chunk_size
     beta = beta[..., None]
     return _recurrent(
@@ -197,7 +198,7 @@ def recurrent_gdn2(
     cu_seqlens=None,
     chunk_size=64,
 ):
-    """GDN2 by its token recurrence (g, b [B, T, HV, K]; w [B, T, HV, V]). Shapes as ``gdn_jax.gdn2``."""
+    """GDN2 by its token recurrence (g, b [B, T, HV, K]; w [B, T, HV, V]). Shapes as gdn2's."""
     del chunk_size
     return _recurrent(
         q,
