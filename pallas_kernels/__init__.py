@@ -1,0 +1,9 @@
+"""Pallas Mosaic GPU kernels (Hopper) for gdn_jax. Imports nothing from gdn_jax.
+
+``pallas_kernels.gdn`` holds one module per stage of the chunked Gated DeltaNet; every
+version-dependent Pallas call goes through :mod:`pallas_kernels._compat`.
+"""
+
+from pallas_kernels._compat import execution_mode, is_hopper, use_mode
+
+__all__ = ["execution_mode", "is_hopper", "use_mode"]

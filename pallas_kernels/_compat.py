@@ -1,0 +1,192 @@
+"""The one place that touches the version-dependent Pallas Mosaic GPU (``plgpu``) API.
+
+Kernel files import ``pl``/``plgpu`` and the helpers below from here, so a JAX upgrade that moves or
+renames something is fixed in this file alone. Written against jax 0.11.2.
+
+Execution mode: kernels run on a Hopper GPU, or under the Mosaic GPU CPU interpreter
+(``plgpu.InterpretGPUParams``) when :func:`execution_mode` says ``"interpret"``. The mode is read
+when a kernel is traced, so tests switch it with the :func:`use_mode` context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = [
+    "pl",
+    "plgpu",
+    "Mode",
+    "execution_mode",
+    "use_mode",
+    "interpret_params",
+    "reset_interpreter",
+    "kernel",
+    "transforms_for",
+    "smem",
+    "block_spec",
+    "matmul",
+    "row_vec",
+    "col_vec",
+    "iota",
+    "to_wgmma",
+    "bcast_rows",
+    "bcast_cols",
+    "cuda_lowering_mesh",
+    "is_hopper",
+]
+
+Mode = Literal["auto", "gpu", "interpret"]
+_MODE: contextvars.ContextVar[Mode] = contextvars.ContextVar("pallas_kernels_mode", default="auto")
+
+
+def execution_mode() -> Mode:
+    """``"auto"`` (GPU when a Hopper GPU is the default backend), ``"gpu"`` or ``"interpret"``."""
+    return _MODE.get()
+
+
+@contextlib.contextmanager
+def use_mode(mode: Mode) -> Iterator[None]:
+    """Context manager selecting how kernels traced inside it execute.
+
+    ``"interpret"`` runs them under the CPU Mosaic GPU interpreter (slow: tiny shapes only);
+    ``"gpu"`` forces the real lowering even off-GPU (used to lower for CUDA on a CPU machine).
+    """
+    if mode not in ("auto", "gpu", "interpret"):
+        raise ValueError(f"{mode=} must be 'auto', 'gpu' or 'interpret'")
+    token = _MODE.set(mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def is_hopper() -> bool:
+    """True when the default backend is a compute-capability 9.x NVIDIA GPU."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    cc = getattr(dev, "compute_capability", None)
+    return dev.platform == "gpu" and isinstance(cc, str) and cc.split(".")[0] == "9"
+
+
+def interpret_params():
+    """The interpreter parameters for ``plgpu.kernel(interpret=...)``."""
+    return plgpu.InterpretGPUParams()
+
+
+def reset_interpreter() -> None:
+    """Resets the GPU interpreter after an exception inside it (its docstring asks for this)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def kernel(body: Callable, *, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...]):
+    """``plgpu.kernel`` with one warpgroup per CTA, interpreted when the mode says so."""
+    interpret = interpret_params() if execution_mode() == "interpret" else None
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=grid_names, interpret=interpret
+    )
+
+
+def transforms_for(cols: int, dtype) -> tuple:
+    """TMA/wgmma-friendly tiling + swizzle for a 2-D SMEM tile with ``cols`` columns."""
+    itemsize = jnp.dtype(dtype).itemsize
+    row_bytes = cols * itemsize
+    swizzle = min(128, row_bytes)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem(shape: Sequence[int], dtype, *, swizzled: bool = True):
+    """An SMEM allocation; 2-D (or stacked 2-D) tiles are tiled and swizzled for wgmma/TMA."""
+    if swizzled and len(shape) >= 2:
+        return plgpu.SMEM(tuple(shape), dtype, transforms=transforms_for(shape[-1], dtype))
+    return plgpu.SMEM(tuple(shape), dtype)
+
+
+def block_spec(block_shape, index_map, *, dtype=None, cols: int | None = None):
+    """A pipeline ``BlockSpec``; tiles with a 16-bit ``dtype`` get the swizzled transforms."""
+    transforms = () if dtype is None else transforms_for(cols, dtype)
+    return plgpu.BlockSpec(block_shape, index_map, transforms=transforms)
+
+
+def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
+    """``a @ b`` on the tensor cores with an f32 result in registers (WGMMA layout).
+
+    ``a`` is an SMEM ref (or a register value), ``b`` an SMEM ref; either may be a transposed
+    16-bit ref view. The accumulator lives in its own scope (REGS cannot share a scope).
+    """
+
+    def body(acc):
+        plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def row_vec(ref) -> jax.Array:
+    """Loads a 1-D f32 SMEM vector laid out to broadcast along rows (``v[:, None]``)."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def col_vec(ref, n: int) -> jax.Array:
+    """Loads the same kind of vector laid out to broadcast along columns (``v[None, :]``).
+
+    Uses a distinct view (``ref.at[pl.ds(0, n)]``): identical loads get CSE'd and a single load
+    cannot carry both layouts (pitfall P5 in the Mosaic GPU notes).
+    """
+    return plgpu.load(ref.at[pl.ds(0, n)], (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def iota(shape: tuple[int, int], dim: int) -> jax.Array:
+    """int32 iota in the WGMMA register layout (masks for wgmma results)."""
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def to_wgmma(x: jax.Array) -> jax.Array:
+    """Pins a register value to the WGMMA layout (e.g. a zero-initialised carry)."""
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def bcast_rows(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """``vec[:, None]`` broadcast to ``shape`` (vec laid out by :func:`row_vec`)."""
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def bcast_cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """``vec[None, :]`` broadcast to ``shape`` (vec laid out by :func:`col_vec`)."""
+    return lax.broadcast_in_dim(vec, shape, [1])
+
+
+@functools.cache
+def _abstract_h200_mesh():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    return AbstractMesh(
+        (1,),
+        ("x",),
+        (AxisType.Explicit,),
+        abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
+    )
+
+
+@contextlib.contextmanager
+def cuda_lowering_mesh() -> Iterator[None]:
+    """Context for ``jit(f).trace(...).lower(lowering_platforms=("cuda",))`` on a CPU machine.
+
+    Sets an abstract H200 mesh (so Mosaic GPU knows its target) and forces the GPU kernel path.
+    """
+    with jax.sharding.use_abstract_mesh(_abstract_h200_mesh()), use_mode("gpu"):
+        yield

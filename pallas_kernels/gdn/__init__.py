@@ -1,0 +1,1 @@
+"""Chunked Gated DeltaNet (scalar gate) kernels, one module per stage."""

@@ -1,0 +1,204 @@
+"""Stages 3+4 of chunked GDN: the inter-chunk state recurrence fused with the output.
+
+One CTA (one warpgroup) per (batch row, value head, 64-wide V block) runs over the chunks in order.
+The state S [K, BV] stays in f32 registers as the ``emit_pipeline`` carry; each chunk it is cast to
+the io dtype once, into one SMEM tile that is the B operand of both ``w @ S`` and ``q @ S``:
+
+    v_new = u − w S
+    o     = scale · [ (q S) ⊙ e^{G} + (q kᵀ ⊙ e^{G_i − G_j} ⊙ [i ≥ j]) v_new ]
+    S     ← e^{G_last} S + kᵀ (v_new ⊙ e^{G_last − G})
+
+so the forward writes no per-chunk state h at all. The same kernel, with ``store_h``, writes the
+state entering each chunk (h) and v_new instead of o: that is the backward's recomputation.
+Padded rows (zero k, q, u and a repeated cumulative gate) leave S unchanged, and G_last is the
+cumulative gate of the last row, i.e. of the last valid row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels._compat import pl, plgpu
+
+CHUNK = 64
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkFwdConfig:
+    """Static configuration of :func:`chunk_fwd`.
+
+    Attributes:
+      scale: the output scale (``K ** -0.5`` by default in the op).
+      store_h: backward recomputation mode: write h and v_new instead of o and the final state.
+      block_v: V columns per CTA (64: the state carry then needs ~140 registers, no spills).
+    """
+
+    scale: float = 1.0
+    store_h: bool = False
+    block_v: int = 64
+
+    def __post_init__(self):
+        if self.block_v not in (64, 128):
+            raise ValueError(f"{self.block_v=} must be 64 or 128")
+        if not isinstance(self.scale, float):
+            raise TypeError(f"{self.scale=} must be a Python float")
+
+
+def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
+    C, BV = CHUNK, cfg.block_v
+    if cfg.store_h:
+        k_g, w_g, u_g, g_g, h0_g, h_g, vn_g = refs
+        q_g = None
+    else:
+        q_g, k_g, w_g, u_g, g_g, h0_g, o_g, ht_g = refs
+    iv = lax.axis_index("v")
+    hv = lax.axis_index("h")
+    b = lax.axis_index("b")
+    hk = hv // group
+    K = k_g.shape[-1]
+    dt = k_g.dtype
+    cols = pl.ds(iv * BV, BV)
+    store_h = cfg.store_h
+    n_groups = 2 if store_h else 1  # TMA store groups issued per step
+
+    def load_h0(h0_s, bar):
+        plgpu.copy_gmem_to_smem(h0_g.at[b, hv, :, cols], h0_s, bar)
+        plgpu.barrier_wait(bar)
+        return cp.to_wgmma(h0_s[...])
+
+    S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
+
+    def scoped(s_s, vn_s, vd_s, p_s, o_s):
+        def step(idx, *args):
+            if store_h:
+                k_s, w_s, u_s, g_s, S = args
+            else:
+                q_s, k_s, w_s, u_s, g_s, S = args
+            (c,) = idx
+            slot = lax.rem(c, 2)
+            # the stores issued two steps ago (same slot) must have finished reading SMEM
+            plgpu.wait_smem_to_gmem(n_groups, wait_read_only=True)
+            s_ref = s_s.at[slot] if store_h else s_s
+            vn_ref = vn_s.at[slot] if store_h else vn_s
+            s_ref[...] = S.astype(dt)
+            plgpu.commit_smem()
+            if store_h:
+                plgpu.copy_smem_to_gmem(s_ref, h_g.at[b, c, hv, :, cols])
+            v_new = u_s[...].astype(f32) - cp.matmul(w_s, s_ref, (C, BV))
+            g_r = cp.row_vec(g_s)
+            g_last = g_s[C - 1]
+            vn_ref[...] = v_new.astype(dt)
+            if not store_h:
+                row = cp.iota((C, C), 0)
+                col = cp.iota((C, C), 1)
+                causal = row >= col
+                g_c = cp.col_vec(g_s, C)
+                gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
+                qk = cp.matmul(q_s, k_s.T, (C, C))
+                p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)
+                p_s[...] = p.astype(dt)
+                o_inter = cp.matmul(q_s, s_ref, (C, BV)) * cp.bcast_rows(jnp.exp(g_r), (C, BV))
+            plgpu.commit_smem()
+            if store_h:
+                plgpu.copy_smem_to_gmem(vn_ref, vn_g.at[b, pl.ds(c * C, C), hv, cols])
+            else:
+                o = (o_inter + cp.matmul(p_s, vn_ref, (C, BV))) * cfg.scale
+                o_s.at[slot][...] = o.astype(o_g.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s.at[slot], o_g.at[b, pl.ds(c * C, C), hv, cols])
+            vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
+            vd_s[...] = vd.astype(dt)
+            plgpu.commit_smem()
+            return S * jnp.exp(g_last) + cp.matmul(k_s.T, vd_s, (K, BV))
+
+        tile = lambda cols_: dict(dtype=dt, cols=cols_)
+        specs = []
+        if not store_h:
+            specs.append(cp.block_spec((None, C, None, K), lambda c: (b, c, hk, 0), **tile(K)))
+        specs += [
+            cp.block_spec((None, C, None, K), lambda c: (b, c, hk, 0), **tile(K)),  # k
+            cp.block_spec((None, C, None, K), lambda c: (b, c, hv, 0), **tile(K)),  # w
+            cp.block_spec((None, C, None, BV), lambda c: (b, c, hv, iv), **tile(BV)),  # u
+            cp.block_spec((None, None, C), lambda c: (b, hv, c)),  # G [B, HV, T]
+        ]
+        ins = (k_g, w_g, u_g, g_g) if store_h else (q_g, k_g, w_g, u_g, g_g)
+        S = plgpu.emit_pipeline(
+            step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=S0
+        )(*ins)
+        plgpu.wait_smem_to_gmem(0)
+        return S
+
+    nbuf = 2 if store_h else 1
+    s_shape = (nbuf, K, BV) if store_h else (K, BV)
+    vn_shape = (nbuf, C, BV) if store_h else (C, BV)
+    S = pl.run_scoped(
+        scoped,
+        cp.smem(s_shape, dt),
+        cp.smem(vn_shape, dt),
+        cp.smem((C, BV), dt),
+        cp.smem((C, C), dt),
+        cp.smem((2, C, BV), dt),
+    )
+    if not store_h:
+
+        def final(st_s):
+            st_s[...] = S
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(st_s, ht_g.at[b, hv, :, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(final, cp.smem((K, BV), f32))
+
+
+def chunk_fwd(
+    q: jax.Array | None,
+    k: jax.Array,
+    w: jax.Array,
+    u: jax.Array,
+    g_cum: jax.Array,
+    h0: jax.Array,
+    config: ChunkFwdConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the chunk loop.
+
+    Args:
+      q, k: [B, T, H, K] (q unused/None with ``store_h``); T a multiple of 64.
+      w: [B, T, HV, K]; u: [B, T, HV, V] (from :func:`pallas_kernels.gdn.intra.intra_chunk`).
+      g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
+      h0: [B, HV, K, V] f32 initial state.
+      config: :class:`ChunkFwdConfig`.
+    Returns:
+      Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32).
+      ``store_h``: (h [B, T/64, HV, K, V] in k.dtype = state entering each chunk, v_new [B, T, HV, V]).
+    """
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    if T % CHUNK or V % config.block_v:
+        raise ValueError(f"{k.shape=} {u.shape=}: T % 64 and V % block_v must be 0")
+    nt = T // CHUNK
+    if config.store_h:
+        out_type = (
+            jax.ShapeDtypeStruct((B, nt, HV, K, V), k.dtype),
+            jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
+        )
+        ins = (k, w, u, g_cum, h0)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
+            jax.ShapeDtypeStruct((B, HV, K, V), f32),
+        )
+        ins = (q, k, w, u, g_cum, h0)
+
+    def body(*refs):
+        _fwd_body(*refs, cfg=config, group=HV // H, nt=nt)
+
+    fn = cp.kernel(
+        body, out_type=out_type, grid=(V // config.block_v, HV, B), grid_names=("v", "h", "b")
+    )
+    return fn(*ins)

@@ -1,0 +1,161 @@
+"""Stage 2 of chunked GDN: the intra-chunk WY representation, one CTA per (chunk, value head).
+
+Per chunk of C = 64 rows (G = chunk-local cumulative log-decay, natural log):
+
+    L = strict_tril(β_i (k_i · k_j) e^{G_i − G_j})      [C, C], f32
+    A = (I + L)⁻¹                                        block-doubling inverse (never the product form)
+    w = A diag(β e^G) k                                  [C, K]
+    u = A diag(β) v                                      [C, V]
+
+The inverse uses the doubling rule ``X ← X − X (O_s X)`` for s = 1, 2, …, 32, where O_s is L
+restricted to the lower-left s×s block of each 2s×2s diagonal block: every intermediate is a block
+of the true inverse, so magnitudes stay bounded (the product form (I−L)(I+L²)… is unstable).
+K Kᵀ, L and X are f32 in registers; only wgmma operands are 16-bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels._compat import pl, plgpu
+
+CHUNK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class IntraConfig:
+    """Static configuration of :func:`intra_chunk`.
+
+    Attributes:
+      store_a: also write A (16-bit) for the backward.
+    """
+
+    store_a: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.store_a, bool):
+            raise TypeError(f"{self.store_a=} must be a bool")
+
+
+def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool):
+    w_g, u_g = outs[0], outs[1]
+    a_g = outs[2] if store_a else None
+    C = CHUNK
+    c = lax.axis_index("c")
+    hv = lax.axis_index("h")
+    b = lax.axis_index("b")
+    hk = hv // group  # GVA: value head hv reads q/k head hv // (HV // H)
+    K, V = k_g.shape[-1], v_g.shape[-1]
+    dt = k_g.dtype
+    rows = pl.ds(c * C, C)
+
+    def scoped(k_s, v_s, g_s, be_s, x_s, oy_s, w_s, u_s, bar):
+        plgpu.copy_gmem_to_smem(k_g.at[b, rows, hk, :], k_s, bar.at[0])
+        plgpu.copy_gmem_to_smem(v_g.at[b, rows, hv, :], v_s, bar.at[1])
+        plgpu.copy_gmem_to_smem(g_g.at[b, hv, rows], g_s, bar.at[2])
+        plgpu.copy_gmem_to_smem(b_g.at[b, hv, rows], be_s, bar.at[3])
+        for i in range(4):
+            plgpu.barrier_wait(bar.at[i])
+
+        row = cp.iota((C, C), 0)
+        col = cp.iota((C, C), 1)
+        lower = row > col
+        g_r = cp.row_vec(g_s)
+        g_c = cp.col_vec(g_s, C)
+        be_r = cp.row_vec(be_s)
+        be_c = cp.col_vec(be_s, C)
+
+        kk = cp.matmul(k_s, k_s.T, (C, C))
+        # mask the exponent first: above the diagonal G_i − G_j > 0 could overflow
+        gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
+        L = jnp.where(lower, kk * cp.bcast_rows(be_r, (C, C)) * jnp.exp(jnp.where(lower, gd, 0.0)), 0.0)
+
+        def level_mask(lg):
+            hi = lax.shift_right_logical(row, lg + 1) == lax.shift_right_logical(col, lg + 1)
+            lo = lax.shift_right_logical(row, lg) != lax.shift_right_logical(col, lg)
+            return hi & lo
+
+        eye = jnp.where(row == col, 1.0, 0.0)
+        # level s = 1: X_1 = I, so X_2 = I − O_1
+        X = eye - jnp.where(level_mask(0), L, 0.0)
+        for lg in range(1, 6):
+            oy_s[...] = jnp.where(level_mask(lg), L, 0.0).astype(dt)
+            x_s[...] = X.astype(dt)
+            plgpu.commit_smem()
+            Y = cp.matmul(oy_s, x_s, (C, C))  # O_s X_s
+            oy_s[...] = Y.astype(dt)
+            plgpu.commit_smem()
+            X = X - cp.matmul(x_s, oy_s, (C, C))  # X_s (O_s X_s)
+
+        if store_a:
+            x_s[...] = X.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(x_s, a_g.at[b, rows, hv, :])
+        # w = (A diag(β e^G)) k and u = (A diag(β)) v: scale A's columns, not k's and v's rows
+        oy_s[...] = (X * cp.bcast_cols(be_c * jnp.exp(g_c), (C, C))).astype(dt)
+        plgpu.commit_smem()
+        w_s[...] = cp.matmul(oy_s, k_s, (C, K)).astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(w_s, w_g.at[b, rows, hv, :])
+        if store_a:
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the A store has read x_s
+        x_s[...] = (X * cp.bcast_cols(be_c, (C, C))).astype(dt)
+        plgpu.commit_smem()
+        u_s[...] = cp.matmul(x_s, v_s, (C, V)).astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(u_s, u_g.at[b, rows, hv, :])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        scoped,
+        cp.smem((C, K), dt),
+        cp.smem((C, V), dt),
+        cp.smem((C,), jnp.float32),
+        cp.smem((C,), jnp.float32),
+        cp.smem((C, C), dt),
+        cp.smem((C, C), dt),
+        cp.smem((C, K), dt),
+        cp.smem((C, V), dt),
+        plgpu.Barrier(num_barriers=4),
+    )
+
+
+def intra_chunk(
+    k: jax.Array,
+    v: jax.Array,
+    g_cum: jax.Array,
+    beta: jax.Array,
+    config: IntraConfig = IntraConfig(),
+) -> tuple[jax.Array, ...]:
+    """Computes w, u (and optionally A) for every chunk.
+
+    Args:
+      k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
+      v: [B, T, HV, V], same dtype as k; HV % H == 0.
+      g_cum: [B, HV, T] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
+      beta: [B, HV, T] f32 (padded rows zero).
+      config: :class:`IntraConfig`.
+    Returns:
+      w [B, T, HV, K], u [B, T, HV, V] in k.dtype, and if ``config.store_a`` A [B, T, HV, 64].
+    """
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if T % CHUNK:
+        raise ValueError(f"{k.shape=}: T must be a multiple of {CHUNK}")
+    out_type = [
+        jax.ShapeDtypeStruct((B, T, HV, K), k.dtype),
+        jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
+    ]
+    if config.store_a:
+        out_type.append(jax.ShapeDtypeStruct((B, T, HV, CHUNK), k.dtype))
+
+    def body(*refs):
+        _intra_body(*refs, group=HV // H, store_a=config.store_a)
+
+    fn = cp.kernel(body, out_type=tuple(out_type), grid=(T // CHUNK, HV, B), grid_names=("c", "h", "b"))
+    return tuple(fn(k, v, g_cum, beta))
