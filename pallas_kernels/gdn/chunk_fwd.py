@@ -175,7 +175,8 @@ def chunk_fwd(
       config: :class:`ChunkFwdConfig`.
     Returns:
       Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32).
-      ``store_h``: (h [B, T/64, HV, K, V] in k.dtype = state entering each chunk, v_new [B, T, HV, V]).
+      ``store_h``: (h [B, T/64, HV, K, V] in k.dtype, the state entering each chunk;
+      v_new [B, T, HV, V]).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]

@@ -3,7 +3,7 @@
 Per chunk of C = 64 rows (G = chunk-local cumulative log-decay, natural log):
 
     L = strict_tril(β_i (k_i · k_j) e^{G_i − G_j})      [C, C], f32
-    A = (I + L)⁻¹                                        block-doubling inverse (never the product form)
+    A = (I + L)⁻¹         block-doubling inverse (never the product form)
     w = A diag(β e^G) k                                  [C, K]
     u = A diag(β) v                                      [C, V]
 
@@ -73,7 +73,9 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool):
         kk = cp.matmul(k_s, k_s.T, (C, C))
         # mask the exponent first: above the diagonal G_i − G_j > 0 could overflow
         gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
-        L = jnp.where(lower, kk * cp.bcast_rows(be_r, (C, C)) * jnp.exp(jnp.where(lower, gd, 0.0)), 0.0)
+        L = jnp.where(
+            lower, kk * cp.bcast_rows(be_r, (C, C)) * jnp.exp(jnp.where(lower, gd, 0.0)), 0.0
+        )
 
         def level_mask(lg):
             hi = lax.shift_right_logical(row, lg + 1) == lax.shift_right_logical(col, lg + 1)
@@ -157,5 +159,7 @@ def intra_chunk(
     def body(*refs):
         _intra_body(*refs, group=HV // H, store_a=config.store_a)
 
-    fn = cp.kernel(body, out_type=tuple(out_type), grid=(T // CHUNK, HV, B), grid_names=("c", "h", "b"))
+    fn = cp.kernel(
+        body, out_type=tuple(out_type), grid=(T // CHUNK, HV, B), grid_names=("c", "h", "b")
+    )
     return tuple(fn(k, v, g_cum, beta))

@@ -1,0 +1,303 @@
+"""``implementation="pallas"`` of :func:`gdn_jax.gated_delta_rule`: glue around the Mosaic GPU
+kernels.
+
+Layout work happens outside the ``custom_vjp`` in plain jnp (JAX differentiates it): the optional
+L2 norm of q and k, padding T to a multiple of 64 (or, with ``cu_seqlens``, one zero-padded lane per
+sequence, so chunks never straddle sequences and every state starts at its own initial state), the
+chunk-local gate cumsum and the transposes of g and β to ``[B, HV, T]`` (TMA needs a unit last
+stride). Padded rows are inert: k = v = q = 0, β = 0 and a zero gate increment, so the cumulative
+gate of a padded row is that of the last valid row.
+
+The ``custom_vjp`` core (:func:`_core`) runs on those padded lanes. Its residuals are the inputs,
+the gate cumsum (named :data:`gdn_jax.remat.GDN_GATE_CUMSUM`) and the initial state; the backward
+recomputes A, w, u, the per-chunk states h and v_new with the forward kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from gdn_jax import remat
+from gdn_jax.reference._common import l2norm
+from pallas_kernels import _compat as pk
+from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
+from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
+
+__all__ = ["gated_delta_rule_pallas", "PallasConfig"]
+
+CHUNK = 64
+f32 = jnp.float32
+_HI = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasConfig:
+    """Static (non-differentiable) configuration of the core.
+
+    Attributes:
+      scale: query scale.
+      mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
+    """
+
+    scale: float
+    mode: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.scale, float):
+            raise TypeError(f"{self.scale=} must be a Python float")
+        if self.mode not in ("auto", "gpu", "interpret"):
+            raise ValueError(f"{self.mode=} must be 'auto', 'gpu' or 'interpret'")
+
+
+def _kernels(cfg: PallasConfig):
+    """Context that makes the kernels traced inside it use the configured execution mode."""
+    return pk.use_mode(cfg.mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp core on padded lanes: q, k [B, T, H, K]; v [B, T, HV, V]; G, beta [B, HV, T] f32;
+# h0 [B, HV, K, V] f32.  T % 64 == 0.
+
+
+def _forward(cfg, q, k, v, G, beta, h0):
+    with _kernels(cfg):
+        w, u = intra_chunk(k, v, G, beta, IntraConfig())
+        o, ht = chunk_fwd(q, k, w, u, G, h0, ChunkFwdConfig(scale=cfg.scale))
+    return o, ht
+
+
+def _core_fwd(cfg, q, k, v, G, beta, h0):
+    o, ht = _forward(cfg, q, k, v, G, beta, h0)
+    G = checkpoint_name(G, remat.GDN_GATE_CUMSUM)
+    return (o, ht), (q, k, v, G, beta, h0)
+
+
+def _chunks(x, nt):
+    """[B, T, Hx, D] -> [B, Hx, NT, C, D]."""
+    B, T, Hx, D = x.shape
+    return x.reshape(B, nt, CHUNK, Hx, D).transpose(0, 3, 1, 2, 4)
+
+
+def _unchunks(x):
+    """[B, Hx, NT, C, D] -> [B, T, Hx, D]."""
+    B, Hx, nt, C, D = x.shape
+    return x.transpose(0, 2, 3, 1, 4).reshape(B, nt * C, Hx, D)
+
+
+def _mm(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=_HI)
+
+
+def _core_bwd(cfg, res, cts):
+    q, k, v, G, beta, h0 = res
+    do, dht = cts
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    grp = HV // H
+    nt = T // CHUNK
+    dt = q.dtype
+    scale = cfg.scale
+    with _kernels(cfg):
+        w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True))
+        h, vn = chunk_fwd(None, k, w, u, G, h0, ChunkFwdConfig(scale=scale, store_h=True))
+
+    # ---- XLA part of the backward (per chunk, f32 math on 16-bit operands) ----
+    rep = lambda x: jnp.repeat(x, grp, axis=2) if grp > 1 else x
+    qc = _chunks(rep(q), nt).astype(f32)  # [B, HV, NT, C, K]
+    kc = _chunks(rep(k), nt).astype(f32)
+    vc = _chunks(v, nt).astype(f32)
+    wc = _chunks(w, nt).astype(f32)
+    vnc = _chunks(vn, nt).astype(f32)
+    Ac = _chunks(A, nt).astype(f32)  # [B, HV, NT, C, C]
+    doc = _chunks(do.astype(dt), nt).astype(f32)
+    Gc = G.reshape(B, HV, nt, CHUNK)
+    bc = beta.reshape(B, HV, nt, CHUNK)
+    hc = h.transpose(0, 2, 1, 3, 4).astype(f32)  # [B, HV, NT, K, V]
+    Gl = Gc[..., -1]  # [B, HV, NT]
+    i = jnp.arange(CHUNK)
+    causal = i[:, None] >= i[None, :]
+    strict = i[:, None] > i[None, :]
+    gd = Gc[..., :, None] - Gc[..., None, :]  # G_i - G_j
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)  # [.., C, C] (i >= j)
+
+    # dv_local_i = scale Σ_{j>=i} (k_i·q_j) e^{G_j - G_i} do_j
+    kq = _mm("...ik,...jk->...ij", kc, qc) * jnp.swapaxes(decay, -1, -2)
+    dv_local = scale * _mm("...ij,...jv->...iv", kq, doc)
+    qg = qc * jnp.exp(Gc)[..., None]
+    e_state = jnp.exp(Gl[..., None] - Gc)[..., None]  # e^{G_last - G_i}
+
+    def step(dH, xs):
+        kc_, wc_, qg_, do_, dvl_, es_, gl_ = xs
+        dv2 = _mm("...ck,...kv->...cv", kc_, dH) * es_ + dvl_
+        dH_prev = (
+            dH * jnp.exp(gl_)[..., None, None]
+            + scale * _mm("...ck,...cv->...kv", qg_, do_)
+            - _mm("...ck,...cv->...kv", wc_, dv2)
+        )
+        return dH_prev, (dH, dv2)
+
+    mv = lambda x: jnp.moveaxis(x, 2, 0)
+    dh0, (dh, dv2) = lax.scan(
+        step,
+        dht.astype(f32),
+        (mv(kc), mv(wc), mv(qg), mv(doc), mv(dv_local), mv(e_state), mv(Gl)),
+        reverse=True,
+    )
+    dh = jnp.moveaxis(dh, 0, 2)  # [B, HV, NT, K, V] gradient of the state at the chunk's end
+    dv2 = jnp.moveaxis(dv2, 0, 2)  # [B, HV, NT, C, V]
+
+    # dq, dk (output + state parts), dw
+    ds = scale * _mm("...iv,...jv->...ij", doc, vnc) * decay
+    dq = scale * jnp.exp(Gc)[..., None] * _mm("...cv,...kv->...ck", doc, hc)
+    dq = dq + _mm("...ij,...jk->...ik", ds, kc)
+    dk_state = e_state * _mm("...cv,...kv->...ck", vnc, dh)
+    dk = dk_state + _mm("...ij,...ik->...jk", ds, qc)
+    dw = -_mm("...cv,...kv->...ck", dv2, hc)
+    dG = jnp.sum(dq * qc, -1) - jnp.sum(dk * kc, -1)
+    s_end = jnp.exp(Gl)[..., None, None] * hc + _mm("...ck,...cv->...kv", kc * e_state, vnc)
+    dG = dG.at[..., -1].add(jnp.sum(dh * s_end, (-1, -2)))
+
+    # WY backward: w = A diag(β e^G) k, u = A diag(β) v, A = (I + L)^-1
+    eg = jnp.exp(Gc)
+    kbg = kc * (bc * eg)[..., None]
+    vb = vc * bc[..., None]
+    dA = _mm("...ik,...jk->...ij", dw, kbg) + _mm("...iv,...jv->...ij", dv2, vb)
+    dkbg = _mm("...ji,...jk->...ik", Ac, dw)
+    dvb = _mm("...ji,...jv->...iv", Ac, dv2)
+    dk = dk + dkbg * (bc * eg)[..., None]
+    dbeta = jnp.sum(dkbg * kc * eg[..., None], -1) + jnp.sum(dvb * vc, -1)
+    dG = dG + jnp.sum(dkbg * kbg, -1)
+    dv = dvb * bc[..., None]
+    dL = -_mm("...ji,...jk->...ik", Ac, _mm("...ij,...kj->...ik", dA, Ac))  # -Aᵀ dA Aᵀ
+    E = jnp.where(strict, jnp.exp(jnp.where(strict, gd, 0.0)), 0.0)
+    kk = _mm("...ik,...jk->...ij", kc, kc)
+    dL = jnp.where(strict, dL, 0.0)
+    D = dL * bc[..., :, None] * E
+    dk = dk + _mm("...ij,...jk->...ik", D, kc) + _mm("...ij,...ik->...jk", D, kc)
+    dbeta = dbeta + jnp.sum(dL * kk * E, -1)
+    dLL = dL * kk * E * bc[..., :, None]
+    dG = dG + jnp.sum(dLL, -1) - jnp.sum(dLL, -2)
+
+    def fold(x):  # [B, HV, NT, C, K] -> [B, T, H, K], summing the value heads of a q/k head
+        x = _unchunks(x)
+        return x.reshape(B, T, H, grp, K).sum(3) if grp > 1 else x
+
+    dq = fold(dq).astype(q.dtype)
+    dk = fold(dk).astype(k.dtype)
+    dv = _unchunks(dv).astype(v.dtype)
+    dG = dG.reshape(B, HV, T)
+    dbeta = dbeta.reshape(B, HV, T)
+    return dq, dk, dv, dG, dbeta, dh0
+
+
+@functools.cache
+def _make_core(optimize_remat: bool):
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def core(cfg: PallasConfig, q, k, v, G, beta, h0):
+        return _forward(cfg, q, k, v, G, beta, h0)
+
+    core.defvjp(_core_fwd, _core_bwd, optimize_remat=optimize_remat)
+    return core
+
+
+def _core(cfg: PallasConfig, q, k, v, G, beta, h0):
+    # the interpreter runs kernels through ordered host callbacks, which optimize_remat rejects
+    return _make_core(cfg.mode != "interpret")(cfg, q, k, v, G, beta, h0)
+
+
+# ---------------------------------------------------------------------------------------------
+# public glue
+
+
+def _unsupported(q, v, chunk_size) -> str | None:
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{q.dtype=}: the Pallas kernels take bf16/f16 (f32 runs on 'xla')"
+    if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
+        return f"{q.shape=} {v.shape=}: the Pallas kernels need K, V in {{64, 128}}"
+    if chunk_size != CHUNK:
+        return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
+    mode = pk.execution_mode()
+    if mode == "auto" and not pk.is_hopper():
+        return "no Hopper GPU (and the Mosaic GPU interpreter was not requested)"
+    return None
+
+
+def gated_delta_rule_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float,
+    initial_state: jax.Array | None,
+    output_final_state: bool,
+    use_qk_l2norm: bool,
+    cu_seqlens: jax.Array | None,
+    chunk_size: int,
+) -> tuple[jax.Array, jax.Array | None]:
+    """GDN on the Mosaic GPU kernels; inputs already validated by :func:`gdn_jax.gated_delta_rule`.
+
+    Args:
+      q, k: [B, T, H, K] bf16/f16; v: [B, T, HV, V] same dtype.
+      g, beta: [B, T, HV] f32.
+      scale: query scale.
+      initial_state: [N, HV, K, V] f32 or None.
+      output_final_state: return the final state [N, HV, K, V] f32 (else None).
+      use_qk_l2norm: L2-normalise q and k over K first (differentiable).
+      cu_seqlens: [N + 1] int32 with B == 1, or None.
+      chunk_size: must be 64.
+    Returns:
+      (o [B, T, HV, V] in v.dtype, final state or None).
+    Raises:
+      NotImplementedError: dtype/head size/chunk size/platform not served by these kernels.
+    """
+    why = _unsupported(q, v, chunk_size)
+    if why is not None:
+        raise NotImplementedError(why)
+    cfg = PallasConfig(scale=float(scale), mode=pk.execution_mode())
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    Tp = -(-T // CHUNK) * CHUNK
+
+    if cu_seqlens is None:
+        N = B
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+        qp, kp, vp, gp, bp = map(pad, (q, k, v, g, beta))
+    else:
+        # one lane per sequence: lane n holds tokens cu[n] .. cu[n+1]-1, then zero padding
+        N = cu_seqlens.shape[0] - 1
+        cu = cu_seqlens.astype(jnp.int32)
+        t = jnp.arange(Tp, dtype=jnp.int32)
+        tok = cu[:-1, None] + t[None, :]  # [N, Tp]
+        valid = tok < cu[1:, None]
+        tok = jnp.where(valid, tok, 0)
+
+        def pad(x):
+            y = jnp.take(x[0], tok, axis=0)
+            m = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+            return jnp.where(m, y, jnp.zeros((), x.dtype))
+
+        qp, kp, vp, gp, bp = map(pad, (q, k, v, g, beta))
+
+    h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    Gp = jnp.cumsum(gp.astype(f32).reshape(N, Tp // CHUNK, CHUNK, HV), axis=2)
+    Gp = Gp.reshape(N, Tp, HV).transpose(0, 2, 1)
+    bp = bp.astype(f32).transpose(0, 2, 1)
+    o, ht = _core(cfg, qp, kp, vp, Gp, bp, h0)
+
+    if cu_seqlens is None:
+        o = o[:, :T]
+    else:
+        tt = jnp.arange(T, dtype=jnp.int32)
+        seq = jnp.searchsorted(cu, tt, side="right").astype(jnp.int32) - 1
+        o = o[seq, tt - cu[seq]][None]
+    return o.astype(v.dtype), (ht if output_final_state else None)
