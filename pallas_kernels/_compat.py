@@ -92,11 +92,21 @@ def reset_interpreter() -> None:
     interpret_pallas_call.reset_gpu_interpret_mode_state()
 
 
-def kernel(body: Callable, *, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...]):
-    """``plgpu.kernel`` with one warpgroup per CTA, interpreted when the mode says so."""
+def kernel(
+    body: Callable, *, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], name: str
+):
+    """``plgpu.kernel`` with one warpgroup per CTA, interpreted when the mode says so.
+
+    ``name`` becomes the kernel's symbol (it shows up in profiles and in the lowered module).
+    """
     interpret = interpret_params() if execution_mode() == "interpret" else None
     return plgpu.kernel(
-        body, out_type=out_type, grid=grid, grid_names=grid_names, interpret=interpret
+        body,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        interpret=interpret,
+        kernel_name=name,
     )
 
 
@@ -138,7 +148,7 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
 
 def row_vec(ref) -> jax.Array:
     """Loads a 1-D f32 SMEM vector laid out to broadcast along rows (``v[:, None]``)."""
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
 
 
 def col_vec(ref, n: int) -> jax.Array:
@@ -147,7 +157,7 @@ def col_vec(ref, n: int) -> jax.Array:
     Uses a distinct view (``ref.at[pl.ds(0, n)]``): identical loads get CSE'd and a single load
     cannot carry both layouts (pitfall P5 in the Mosaic GPU notes).
     """
-    return plgpu.load(ref.at[pl.ds(0, n)], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    return plgpu.load(ref.at[pl.ds(0, n)], layout=plgpu.Layout.WGMMA.reduce(0))
 
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:

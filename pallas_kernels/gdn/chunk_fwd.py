@@ -200,6 +200,10 @@ def chunk_fwd(
         _fwd_body(*refs, cfg=config, group=HV // H, nt=nt)
 
     fn = cp.kernel(
-        body, out_type=out_type, grid=(V // config.block_v, HV, B), grid_names=("v", "h", "b")
+        body,
+        out_type=out_type,
+        grid=(V // config.block_v, HV, B),
+        grid_names=("v", "h", "b"),
+        name="gdn_chunk_h" if config.store_h else "gdn_chunk_fwd",
     )
     return fn(*ins)

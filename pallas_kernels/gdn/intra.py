@@ -160,6 +160,10 @@ def intra_chunk(
         _intra_body(*refs, group=HV // H, store_a=config.store_a)
 
     fn = cp.kernel(
-        body, out_type=tuple(out_type), grid=(T // CHUNK, HV, B), grid_names=("c", "h", "b")
+        body,
+        out_type=tuple(out_type),
+        grid=(T // CHUNK, HV, B),
+        grid_names=("c", "h", "b"),
+        name="gdn_intra",
     )
     return tuple(fn(k, v, g_cum, beta))
