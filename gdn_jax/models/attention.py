@@ -1,0 +1,112 @@
+"""Gated softmax attention (the full-attention layer of Qwen3-Next / Qwen3.5 hybrids).
+
+``y = (softmax(q kᵀ / sqrt(d) + causal) v * sigmoid(x W_gate)) W_o`` with grouped-query attention,
+per-head RMSNorm on q and k, and rotary embeddings on the first ``partial_rotary_factor`` of each
+head's dims.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.typing import Dtype
+
+from gdn_jax.nn.layers import EMBED, HEADS, KV_HEADS, RMSNorm, dense
+
+__all__ = ["GatedAttention", "apply_rotary"]
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
+    """Rotate the first ``rotary_dim`` dims of each head (half-split / GPT-NeoX pairing).
+
+    Args:
+      x: [B, T, N, Dh].
+      positions: [B, T] int positions.
+      rotary_dim: even number of rotated dims (<= Dh); the rest pass through.
+      theta: RoPE base.
+    Returns:
+      [B, T, N, Dh] in x.dtype.
+    """
+    if rotary_dim == 0:
+        return x
+    half = rotary_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
+    xr, xp = x[..., :rotary_dim].astype(jnp.float32), x[..., rotary_dim:]
+    x1, x2 = xr[..., :half], xr[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rotated.astype(x.dtype), xp], axis=-1)
+
+
+class GatedAttention(nnx.Module):
+    """Causal grouped-query softmax attention with an output gate, ``[B, T, D] -> [B, T, D]``.
+
+    Args:
+      hidden_size: D.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (divides ``num_heads``).
+      head_dim: per-head dim.
+      partial_rotary_factor: fraction of ``head_dim`` that gets rotary embeddings.
+      rope_theta: RoPE base.
+      norm_eps: epsilon of the q/k RMSNorms.
+      dtype: compute dtype; param_dtype: parameter dtype; rngs: init randomness.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        partial_rotary_factor: float = 0.25,
+        rope_theta: float = 10_000_000.0,
+        norm_eps: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # Round down to an even count: dims rotate in pairs.
+        self.rotary_dim = int(head_dim * partial_rotary_factor) // 2 * 2
+        self.rope_theta = rope_theta
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        D, N, NKV, Dh = hidden_size, num_heads, num_kv_heads, head_dim
+        self.q_proj = dense(D, N * Dh, (EMBED, HEADS), **kw)
+        self.gate_proj = dense(D, N * Dh, (EMBED, HEADS), **kw)
+        self.k_proj = dense(D, NKV * Dh, (EMBED, KV_HEADS), **kw)
+        self.v_proj = dense(D, NKV * Dh, (EMBED, KV_HEADS), **kw)
+        self.o_proj = dense(N * Dh, D, (HEADS, EMBED), **kw)
+        self.q_norm = RMSNorm(Dh, eps=norm_eps, **kw)
+        self.k_norm = RMSNorm(Dh, eps=norm_eps, **kw)
+
+    def __call__(
+        self, x: jax.Array, *, positions: jax.Array, mask: jax.Array | None = None
+    ) -> jax.Array:
+        """Attend.
+
+        Args:
+          x: [B, T, D].
+          positions: [B, T] rotary positions.
+          mask: optional bool [B or 1, 1, T, T], True where query t may see key s; plain causal
+            attention when omitted.
+        Returns:
+          [B, T, D].
+        """
+        B, T, _ = x.shape
+        N, NKV, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(self.q_proj(x).reshape(B, T, N, Dh))
+        k = self.k_norm(self.k_proj(x).reshape(B, T, NKV, Dh))
+        v = self.v_proj(x).reshape(B, T, NKV, Dh)
+        rope = dict(rotary_dim=self.rotary_dim, theta=self.rope_theta)
+        q, k = apply_rotary(q, positions, **rope), apply_rotary(k, positions, **rope)
+        o = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, is_causal=mask is None)
+        gate = jax.nn.sigmoid(self.gate_proj(x).astype(jnp.float32))
+        o = (o.reshape(B, T, N * Dh).astype(jnp.float32) * gate).astype(o.dtype)
+        return self.o_proj(o)

@@ -1,0 +1,256 @@
+"""A hybrid decoder LM: Gated DeltaNet layers with gated softmax attention every few layers.
+
+Layer ``i`` is softmax attention iff ``(i + 1) % full_attention_interval == 0`` (Qwen3.5: layers
+3, 7, 11, ... of 0-based indices, 3 GDN : 1 attention), GDN otherwise. Each layer is pre-norm::
+
+    h = x + mixer(RMSNorm(x));  y = h + SwiGLU(RMSNorm(h))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.typing import Dtype
+
+from gdn_jax.models.attention import GatedAttention
+from gdn_jax.nn.gated_deltanet import GatedDeltaNet, Variant
+from gdn_jax.nn.layers import EMBED, MLP, VOCAB, RMSNorm, dense, partitioned, sequence_starts
+
+__all__ = ["HybridConfig", "HybridLM", "SwiGLU", "DecoderLayer", "PRESETS", "get_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+    """Shape of a :class:`HybridLM`.
+
+    Attributes:
+      vocab_size, hidden_size, num_layers, intermediate_size: LM width, depth and SwiGLU width.
+      linear_num_heads, linear_num_v_heads, linear_head_dim, linear_v_head_dim: GDN layer heads
+        (q/k heads H, value heads HV, K, V).
+      attn_num_heads, attn_num_kv_heads, attn_head_dim: softmax-attention heads.
+      partial_rotary_factor, rope_theta: rotary embedding of the attention layers.
+      full_attention_interval: every n-th layer is softmax attention; 0 means GDN only.
+      variant: GDN variant of the linear layers ("gdn", "kda", "gdn2").
+      conv_kernel: short-conv taps of the GDN layers.
+      norm_eps: epsilon of every RMSNorm.
+      tie_embeddings: the LM head reuses the embedding matrix.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    linear_num_heads: int
+    linear_num_v_heads: int
+    linear_head_dim: int
+    linear_v_head_dim: int
+    attn_num_heads: int
+    attn_num_kv_heads: int
+    attn_head_dim: int
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10_000_000.0
+    full_attention_interval: int = 4
+    variant: Variant = "gdn"
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """``"attention"`` or ``"linear"`` per layer."""
+        n = self.full_attention_interval
+        return tuple(
+            "attention" if n and (i + 1) % n == 0 else "linear" for i in range(self.num_layers)
+        )
+
+
+PRESETS: dict[str, HybridConfig] = {
+    # Runs on a CPU in seconds: the demo and the tests.
+    "tiny": HybridConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=4,
+        intermediate_size=192,
+        linear_num_heads=2,
+        linear_num_v_heads=2,
+        linear_head_dim=32,
+        linear_v_head_dim=32,
+        attn_num_heads=2,
+        attn_num_kv_heads=1,
+        attn_head_dim=32,
+    ),
+    # Qwen3.5-0.8B's shape (about 0.75B parameters with tied embeddings).
+    "qwen3_5_0_8b": HybridConfig(
+        vocab_size=248_320,
+        hidden_size=1024,
+        num_layers=24,
+        intermediate_size=3584,
+        linear_num_heads=16,
+        linear_num_v_heads=16,
+        linear_head_dim=128,
+        linear_v_head_dim=128,
+        attn_num_heads=8,
+        attn_num_kv_heads=2,
+        attn_head_dim=256,
+        partial_rotary_factor=0.25,
+        tie_embeddings=True,
+    ),
+}
+
+
+def get_config(name: str, **overrides) -> HybridConfig:
+    """A preset (``"tiny"``, ``"qwen3_5_0_8b"``) with fields replaced by ``overrides``."""
+    if name not in PRESETS:
+        raise ValueError(f"{name=}: expected one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+class SwiGLU(nnx.Module):
+    """``(silu(x W_gate) * x W_up) W_down``, ``[..., D] -> [..., D]``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = dense(hidden_size, intermediate_size, (EMBED, MLP), **kw)
+        self.up_proj = dense(hidden_size, intermediate_size, (EMBED, MLP), **kw)
+        self.down_proj = dense(intermediate_size, hidden_size, (MLP, EMBED), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm residual layer: a token mixer (GDN or gated attention) then a SwiGLU MLP."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        layer_type: str,
+        *,
+        implementation: str | tuple[str, ...] | None = None,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        c = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layer_type = layer_type
+        self.input_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
+        if layer_type == "attention":
+            self.mixer = GatedAttention(
+                c.hidden_size,
+                num_heads=c.attn_num_heads,
+                num_kv_heads=c.attn_num_kv_heads,
+                head_dim=c.attn_head_dim,
+                partial_rotary_factor=c.partial_rotary_factor,
+                rope_theta=c.rope_theta,
+                norm_eps=c.norm_eps,
+                **kw,
+            )
+        elif layer_type == "linear":
+            self.mixer = GatedDeltaNet(
+                c.hidden_size,
+                num_heads=c.linear_num_heads,
+                head_dim=c.linear_head_dim,
+                num_v_heads=c.linear_num_v_heads,
+                v_head_dim=c.linear_v_head_dim,
+                variant=c.variant,
+                conv_kernel=c.conv_kernel,
+                norm_eps=c.norm_eps,
+                implementation=implementation,
+                **kw,
+            )
+        else:
+            raise ValueError(f"{layer_type=}: expected 'attention' or 'linear'")
+        self.post_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, **kw)
+
+    def __call__(self, x, *, positions, mask, cu_seqlens):
+        h = self.input_norm(x)
+        if self.layer_type == "attention":
+            h = self.mixer(h, positions=positions, mask=mask)
+        else:
+            h = self.mixer(h, cu_seqlens=cu_seqlens)
+        x = x + h
+        return x + self.mlp(self.post_norm(x))
+
+
+class HybridLM(nnx.Module):
+    """Decoder-only LM over token ids, ``[B, T] -> logits [B, T, vocab]``.
+
+    Args:
+      config: model shape (see :data:`PRESETS`).
+      implementation: GDN core implementation (``None``: Pallas on Hopper GPUs, XLA elsewhere).
+      dtype: compute dtype (e.g. ``jnp.bfloat16``); param_dtype: parameter dtype.
+      rngs: init randomness.
+
+    Example:
+      >>> model = HybridLM(get_config("tiny"), rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+      (2, 16, 256)
+    """
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        *,
+        implementation: str | tuple[str, ...] | None = None,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        c = config
+        self.config = config
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(
+            c.vocab_size,
+            c.hidden_size,
+            embedding_init=partitioned(
+                nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
+                (VOCAB, EMBED),
+            ),
+            **kw,
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(c, t, implementation=implementation, **kw) for t in config.layer_types]
+        )
+        self.norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
+        if not c.tie_embeddings:
+            self.lm_head = dense(c.hidden_size, c.vocab_size, (EMBED, VOCAB), **kw)
+
+    def __call__(self, tokens: jax.Array, *, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        """Next-token logits.
+
+        Args:
+          tokens: [B, T] int token ids.
+          cu_seqlens: optional [N + 1] int32 boundaries of packed sequences (B == 1): positions
+            restart and no layer mixes tokens across a boundary.
+        Returns:
+          [B, T, vocab] logits in f32.
+        """
+        B, T = tokens.shape
+        t = jnp.arange(T, dtype=jnp.int32)
+        if cu_seqlens is None:
+            positions, mask = jnp.broadcast_to(t, (B, T)), None
+        else:
+            start = sequence_starts(cu_seqlens, T)
+            positions = (t - start)[None]
+            # Same sequence (same start) and causal.
+            mask = ((start[:, None] == start[None, :]) & (t[:, None] >= t[None, :]))[None, None]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
+        return logits.astype(jnp.float32)

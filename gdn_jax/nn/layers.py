@@ -1,0 +1,239 @@
+"""Building blocks of the GDN layer: projections, the short causal conv, RMS norms.
+
+Every parameter carries logical axis names through ``nnx.with_partitioning`` (the names are the
+constants below); ``nnx.logical_axis_rules`` maps them to mesh axes. Head-major flattened
+feature dimensions (``H * K``, ``HV * V``, ``HV``) all use :data:`HEADS`, so a mesh axis that
+divides the head count splits them on head boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.typing import Dtype, Initializer
+
+__all__ = [
+    "EMBED",
+    "HEADS",
+    "KV_HEADS",
+    "MLP",
+    "VOCAB",
+    "NORM",
+    "CONV_TAPS",
+    "partitioned",
+    "dense",
+    "ShortConv",
+    "RMSNorm",
+    "GatedRMSNorm",
+    "sequence_starts",
+]
+
+# Logical axis names of the parameters.
+EMBED = "embed"  # model width
+HEADS = "heads"  # head-major flattened head features (q/k/v/z, attention q) or one value per head
+KV_HEADS = "kv_heads"  # softmax-attention key/value heads (fewer than HEADS under GQA)
+MLP = "mlp"  # SwiGLU hidden width
+VOCAB = "vocab"
+NORM = "norm"  # weights of norms over a head or model dim; usually replicated
+CONV_TAPS = "conv_taps"  # the kernel_size taps of a short conv; usually replicated
+
+
+def partitioned(init: Initializer, axes: Sequence[str | None]) -> Initializer:
+    """``nnx.with_partitioning`` that builds without a mesh.
+
+    Flax 0.12 shards annotated variables eagerly and then demands a mesh; we keep eager sharding
+    when a mesh is active (``jax.set_mesh`` + ``nnx.logical_axis_rules``) and only record the names
+    otherwise, so layers can be built and tested on one device.
+    """
+    eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
+    return nnx.with_partitioning(init, tuple(axes), eager_sharding=eager)
+
+
+def dense(
+    in_features: int,
+    out_features: int,
+    axes: tuple[str | None, str | None],
+    *,
+    dtype: Dtype | None,
+    param_dtype: Dtype,
+    rngs: nnx.Rngs,
+    kernel_init: Initializer | None = None,
+) -> nnx.Linear:
+    """A bias-free projection ``[..., in] -> [..., out]`` with kernel axes ``axes``.
+
+    ``kernel_init`` defaults to LeCun normal (std ``in_features**-0.5``).
+    """
+    kernel_init = kernel_init or nnx.initializers.lecun_normal()
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=partitioned(kernel_init, axes),
+        rngs=rngs,
+    )
+
+
+def sequence_starts(cu_seqlens: jax.Array, T: int) -> jax.Array:
+    """Index of the first token of the packed sequence each position belongs to.
+
+    Args:
+      cu_seqlens: [N + 1] int32 sequence boundaries (0, ..., T).
+      T: packed length.
+    Returns:
+      [T] int32.
+    """
+    t = jnp.arange(T, dtype=jnp.int32)
+    # Empty sequences share a boundary with their neighbour; side="right" skips them.
+    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right")
+    return cu_seqlens[seq].astype(jnp.int32)
+
+
+def _uniform_fan_in(fan_in: int) -> Initializer:
+    # PyTorch's Conv1d default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    bound = fan_in**-0.5
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+class ShortConv(nnx.Module):
+    """Depthwise causal 1-D convolution over time followed by an activation (SiLU by default).
+
+    ``y[t, c] = act(sum_j weight[j, c] * x[t - (kernel_size - 1) + j, c])``: the last tap multiplies
+    the current token (the orientation of a PyTorch ``Conv1d(padding=kernel_size - 1)`` truncated to
+    the first T outputs). Packed sequences (``cu_seqlens``) never see each other's tokens.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        *,
+        kernel_size: int = 4,
+        activation: Callable[[jax.Array], jax.Array] | None = jax.nn.silu,
+        axis_name: str | None = HEADS,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if kernel_size < 1:
+            raise ValueError(f"{kernel_size=} must be >= 1")
+        self.channels = channels
+        self.kernel_size = kernel_size
+        self.activation = activation
+        self.dtype = dtype
+        init = partitioned(_uniform_fan_in(kernel_size), (CONV_TAPS, axis_name))
+        self.weight = nnx.Param(init(rngs.params(), (kernel_size, channels), param_dtype))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        cu_seqlens: jax.Array | None = None,
+        tail: jax.Array | None = None,
+    ) -> jax.Array:
+        """Convolve a sequence.
+
+        Args:
+          x: [B, T, C].
+          cu_seqlens: optional [N + 1] int32 boundaries of packed sequences (B == 1).
+          tail: optional [B, kernel_size - 1, C], the inputs preceding ``x`` (decode cache);
+            zeros when omitted.
+        Returns:
+          [B, T, C] in ``dtype`` (or x.dtype).
+        """
+        B, T, C = x.shape
+        W = self.kernel_size
+        if C != self.channels:
+            raise ValueError(f"{x.shape=}: expected {self.channels} channels")
+        if tail is None:
+            tail = jnp.zeros((B, W - 1, C), x.dtype)
+        elif tail.shape != (B, W - 1, C):
+            raise ValueError(f"{tail.shape=}: expected {(B, W - 1, C)}")
+        dtype = self.dtype or x.dtype
+        w = self.weight[...].astype(jnp.float32)
+        xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1).astype(jnp.float32)
+        if cu_seqlens is not None:
+            start = sequence_starts(cu_seqlens, T)
+            t = jnp.arange(T)
+        y = jnp.zeros((B, T, C), jnp.float32)
+        for j in range(W):
+            tap = xp[:, j : j + T] * w[j]
+            if cu_seqlens is not None:
+                # Tap j reads token t - (W - 1 - j); drop it if it precedes this sequence's start.
+                keep = (t - (W - 1 - j)) >= start
+                tap = jnp.where(keep[None, :, None], tap, 0.0)
+            y = y + tap
+        if self.activation is not None:
+            y = self.activation(y)
+        return y.astype(dtype)
+
+    def next_tail(self, x: jax.Array, tail: jax.Array) -> jax.Array:
+        """The last ``kernel_size - 1`` inputs after appending ``x`` [B, T, C] to ``tail``."""
+        xp = jnp.concatenate([tail, x.astype(tail.dtype)], axis=1)
+        return xp[:, xp.shape[1] - (self.kernel_size - 1) :]
+
+
+def _rms(x: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, in f32; weight starts at 1."""
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        del rngs  # deterministic init; kept for the uniform constructor signature
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(
+            partitioned(nnx.initializers.ones, (NORM,))(None, (dim,), param_dtype)
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., dim] -> [..., dim] in ``dtype`` (or x.dtype)."""
+        y = _rms(x, self.eps) * self.weight[...].astype(jnp.float32)
+        return y.astype(self.dtype or x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """The GDN output norm: ``RMSNorm(o) * silu(z)`` over the last (value head) axis, in f32.
+
+    The weight starts at 1 and multiplies directly (not ``1 + w``), as in Qwen3-Next/Qwen3.5.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        del rngs
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(
+            partitioned(nnx.initializers.ones, (NORM,))(None, (dim,), param_dtype)
+        )
+
+    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+        """x, z: [..., dim] -> [..., dim] in ``dtype`` (or x.dtype)."""
+        y = _rms(x, self.eps) * self.weight[...].astype(jnp.float32)
+        y = y * jax.nn.silu(z.astype(jnp.float32))
+        return y.astype(self.dtype or x.dtype)
