@@ -1,0 +1,260 @@
+"""Times chunked GDN forward and forward+backward: pallas vs xla vs FLA, in one run.
+
+Usage (on the GPU machine, from the checkout)::
+
+    PYTHONPATH=. python3 benchmarks/bench_gdn.py [--shapes NAME ...] [--impls pallas xla fla]
+        [--json out.json] [--stages]
+
+Timing: jitted JAX functions are dispatched ``iters`` times back to back after a warm-up and the
+device is synchronised once; the per-call time of each such batch is recorded and the median of
+``reps`` batches is reported (the GPU queue stays full, so this is device time). FLA is timed with
+``triton.testing.do_bench`` (CUDA events, median). q and k are L2-normalised beforehand and the op
+runs with ``use_qk_l2norm=False`` in every implementation, so the core op alone is compared.
+
+FLA's gated backward is refused on Triton < 3.7.1 (its issue #640, a Triton miscompile); for timing
+only, this script sets ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`` and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, ".")
+from benchmarks.shapes import CHUNKED, SHAPES  # noqa: E402
+
+C = 64
+COPY_BW = 4.07e12  # bytes/s, measured H200 copy bandwidth (mosaic_gpu_notes.md)
+MM_RATE = 700e12  # FLOP/s, bf16 dense matmul ceiling used for the floor
+
+
+def roofline(s) -> dict:
+    """Minimal HBM bytes and matmul FLOPs of the chunked algorithm (C = 64) for one shape.
+
+    fwd per (chunk, value head): K Kᵀ, doubling inverse (10 wgmma of C³), w, u, then w S, q S,
+    q kᵀ, P v_new, kᵀ v_dec. bwd: recompute (intra + states), dh loop, dv_local, dq/dk/dw, WY bwd.
+    Bytes: inputs read and outputs written once (io dtype 2 bytes, gates f32).
+    """
+    B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
+    nch = B * HV * math.ceil(T / C)
+    intra = 2 * C * C * K + 20 * C**3 + 2 * C * C * (K + V)
+    loop = 6 * C * K * V + 2 * C * C * (K + V)
+    fwd = nch * (intra + loop)
+    bwd_extra = 3 * 2 * C * K * V + 2 * C * C * (K + V)  # dh loop + dv_local
+    bwd_extra += 3 * 2 * C * K * V + 2 * C * C * (2 * K + V)  # dq, dk, dw
+    bwd_extra += 2 * C * C * (2 * K + 2 * V) + 4 * C**3 + 4 * C * C * K  # WY bwd
+    bwd = nch * (intra + 4 * C * K * V + bwd_extra)  # recompute: intra, w S and kᵀ v_dec
+    io = 2
+    x_bytes = B * T * (2 * H * K + HV * V) * io + 2 * B * T * HV * 4
+    o_bytes = B * T * HV * V * io
+    fwd_bytes = x_bytes + o_bytes
+    fb_bytes = 2 * x_bytes + 2 * o_bytes  # + do read, + dq dk dv dg dbeta written
+    return {
+        "fwd_flops": fwd,
+        "fwdbwd_flops": fwd + bwd,
+        "fwd_bytes": fwd_bytes,
+        "fwdbwd_bytes": fb_bytes,
+        "fwd_floor_ms": 1e3 * max(fwd_bytes / COPY_BW, fwd / MM_RATE),
+        "fwdbwd_floor_ms": 1e3 * max(fb_bytes / COPY_BW, (fwd + bwd) / MM_RATE),
+    }
+
+
+def inputs(s, seed=0):
+    r = np.random.default_rng(seed)
+    B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
+
+    def unit(shape):
+        x = r.standard_normal(shape, dtype=np.float32)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    return dict(
+        q=unit((B, T, H, K)),
+        k=unit((B, T, H, K)),
+        v=r.standard_normal((B, T, HV, V), dtype=np.float32),
+        g=np.log(r.uniform(0.9, 1.0, (B, T, HV))).astype(np.float32),
+        beta=r.uniform(0.0, 1.0, (B, T, HV)).astype(np.float32),
+        do=r.standard_normal((B, T, HV, V), dtype=np.float32),
+    )
+
+
+def time_jax(f, args, *, iters=20, reps=7) -> float:
+    out = f(*args)
+    jax.block_until_ready(out)
+    for _ in range(3):
+        jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return 1e3 * statistics.median(times)
+
+
+def bench_jax(s, impl, x) -> dict:
+    import gdn_jax
+
+    bf = jnp.bfloat16
+    q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
+    g, beta = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
+    do = jnp.asarray(x["do"], bf)
+
+    def op(q, k, v, g, beta):
+        return gdn_jax.gated_delta_rule(q, k, v, g, beta, implementation=impl)[0]
+
+    fwd = jax.jit(op)
+
+    def loss(q, k, v, g, beta):
+        return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * do.astype(jnp.float32))
+
+    fb = jax.jit(jax.value_and_grad(loss, argnums=range(5)))
+    args = (q, k, v, g, beta)
+    return {"fwd_ms": time_jax(fwd, args), "fwdbwd_ms": time_jax(fb, args, iters=10)}
+
+
+def bench_stages(s, x) -> dict:
+    """Per-kernel times of the pallas path (padded layout, T a multiple of 64)."""
+    from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
+    from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
+
+    bf = jnp.bfloat16
+    q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
+    B, T, HV = s.B, s.T, s.HV
+    G = jnp.cumsum(jnp.asarray(x["g"]).reshape(B, T // C, C, HV), 2).reshape(B, T, HV)
+    G = G.transpose(0, 2, 1)
+    beta = jnp.asarray(x["beta"]).transpose(0, 2, 1)
+    h0 = jnp.zeros((B, HV, s.K, s.V), jnp.float32)
+    cfg = ChunkFwdConfig(scale=s.K**-0.5)
+    intra = jax.jit(lambda k, v, G, b: intra_chunk(k, v, G, b, IntraConfig()))
+    intra_a = jax.jit(lambda k, v, G, b: intra_chunk(k, v, G, b, IntraConfig(store_a=True)))
+    w, u = intra(k, v, G, beta)
+    fwd = jax.jit(lambda q, k, w, u, G, h0: chunk_fwd(q, k, w, u, G, h0, cfg))
+    cfg_h = ChunkFwdConfig(scale=s.K**-0.5, store_h=True)
+    hrec = jax.jit(lambda k, w, u, G, h0: chunk_fwd(None, k, w, u, G, h0, cfg_h))
+    return {
+        "gdn_intra": time_jax(intra, (k, v, G, beta)),
+        "gdn_intra(store_a)": time_jax(intra_a, (k, v, G, beta)),
+        "gdn_chunk_fwd": time_jax(fwd, (q, k, w, u, G, h0)),
+        "gdn_chunk_h": time_jax(hrec, (k, w, u, G, h0)),
+    }
+
+
+def bench_fla(s, x) -> dict:
+    import fla.ops.common.chunk_o as fla_chunk_o
+    import torch
+    import triton
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    patched = not fla_chunk_o.TRITON_ABOVE_3_7_1
+    fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated bwd on Triton<3.7.1
+    dev = "cuda"
+    bf = torch.bfloat16
+    t = {n: torch.from_numpy(x[n]).to(dev) for n in x}
+    q, k, v = (t[n].to(bf).requires_grad_() for n in ("q", "k", "v"))
+    g = t["g"].requires_grad_()
+    beta = t["beta"].to(bf).requires_grad_()
+    do = t["do"].to(bf)
+
+    def fwd():
+        with torch.no_grad():
+            return chunk_gated_delta_rule(q, k, v, g, beta, scale=s.K**-0.5)[0]
+
+    def fb():
+        o = chunk_gated_delta_rule(q, k, v, g, beta, scale=s.K**-0.5)[0]
+        o.backward(do)
+
+    grads = [q, k, v, g, beta]
+    f_ms = triton.testing.do_bench(fwd, warmup=50, rep=300, return_mode="median")
+    fb_ms = triton.testing.do_bench(
+        fb, warmup=50, rep=500, grad_to_none=grads, return_mode="median"
+    )
+    return {"fwd_ms": f_ms, "fwdbwd_ms": fb_ms, "patched_triton_gate": patched}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="*", default=list(CHUNKED))
+    p.add_argument("--impls", nargs="*", default=["pallas", "xla", "fla"])
+    p.add_argument("--json", default=None)
+    p.add_argument("--stages", action="store_true", help="per-kernel times of the pallas path")
+    a = p.parse_args(argv)
+
+    dev = jax.devices()[0]
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": dev.device_kind,
+        "jax": jax.__version__,
+    }
+    try:
+        import fla
+        import triton
+
+        meta["fla"] = getattr(fla, "__version__", "?")
+        meta["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001  FLA is optional
+        meta["fla"] = f"unavailable ({type(e).__name__}: {e})"
+    print(json.dumps(meta), flush=True)
+
+    rows = []
+    for name in a.shapes:
+        s = SHAPES[name]
+        x = inputs(s)
+        row = {"shape": name, **roofline(s)}
+        for impl in a.impls:
+            try:
+                r = bench_fla(s, x) if impl == "fla" else bench_jax(s, impl, x)
+            except Exception as e:  # noqa: BLE001  report and go on with the other impls
+                r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            row[impl] = r
+            print(name, impl, json.dumps(r), flush=True)
+        if a.stages:
+            try:
+                row["pallas_stages_ms"] = bench_stages(s, x)
+            except Exception as e:  # noqa: BLE001
+                row["pallas_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(name, "stages", json.dumps(row["pallas_stages_ms"]), flush=True)
+        rows.append(row)
+
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    def ms(row, impl, key):
+        v = row.get(impl, {}).get(key)
+        return v if isinstance(v, float) else float("nan")
+
+    print()
+    print(f"{meta['device']}  jax {meta['jax']}  fla {meta.get('fla')}  {meta['date']}")
+    if any(r.get("fla", {}).get("patched_triton_gate") for r in rows):
+        print("NOTE: FLA gated backward forced on (TRITON_ABOVE_3_7_1 = True), timing only")
+    hdr = (
+        f"{'shape':26s} {'mode':7s} {'pallas':>8s} {'xla':>8s} {'fla':>8s} "
+        f"{'xla/pal':>8s} {'pal/fla':>8s} {'floor':>7s}"
+    )
+    print(hdr)
+    for r in rows:
+        for mode, key in (("fwd", "fwd_ms"), ("fwd+bwd", "fwdbwd_ms")):
+            p_, x_, f_ = ms(r, "pallas", key), ms(r, "xla", key), ms(r, "fla", key)
+            floor = r["fwd_floor_ms"] if mode == "fwd" else r["fwdbwd_floor_ms"]
+            print(
+                f"{r['shape']:26s} {mode:7s} {p_:8.3f} {x_:8.3f} {f_:8.3f} "
+                f"{x_ / p_:8.2f} {p_ / f_:8.2f} {floor:7.3f}"
+            )
+        if "pallas_stages_ms" in r:
+            st = r["pallas_stages_ms"]
+            print("   stages (ms): " + ", ".join(f"{k}={v:.3f}" for k, v in st.items()
+                                                  if isinstance(v, float)))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
