@@ -11,6 +11,20 @@ import jax.numpy as jnp
 f32 = jnp.float32
 
 L2NORM_EPS = 1e-6
+_HI = jax.lax.Precision.HIGHEST
+
+
+def mm(spec: str, a: jax.Array, b: jax.Array, dtype=None) -> jax.Array:
+    """einsum with f32 accumulation; operands are first rounded to ``dtype`` (default: unchanged).
+
+    XLA:CPU has no bf16 x bf16 -> f32 dot for every shape, so there the rounded operands are
+    multiplied in f32, which gives the same products (exact in f32) and the same f32 sums.
+    """
+    if dtype is not None:
+        a, b = a.astype(dtype), b.astype(dtype)
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(f32), b.astype(f32)
+    return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=_HI)
 
 
 def l2norm(x: jax.Array) -> jax.Array:

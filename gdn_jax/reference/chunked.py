@@ -31,7 +31,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdn_jax.reference._common import ChunkLayout, chunk_layout, from_chunks, l2norm, to_chunks
+from gdn_jax.reference._common import (
+    ChunkLayout,
+    chunk_layout,
+    from_chunks,
+    l2norm,
+    mm,
+    to_chunks,
+)
 
 __all__ = [
     "chunk_gated_delta_rule",
@@ -46,15 +53,7 @@ __all__ = [
 ]
 
 f32 = jnp.float32
-_HI = jax.lax.Precision.HIGHEST
 SUB_CHUNK = 16
-
-
-def mm(spec: str, a: jax.Array, b: jax.Array, dtype=None) -> jax.Array:
-    """einsum with f32 accumulation; operands are first cast to ``dtype`` (default: unchanged)."""
-    if dtype is not None:
-        a, b = a.astype(dtype), b.astype(dtype)
-    return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=_HI)
 
 
 def gate_cumsum(g: jax.Array) -> jax.Array:

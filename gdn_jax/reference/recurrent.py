@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdn_jax.reference._common import l2norm, sequence_ids
+from gdn_jax.reference._common import l2norm, mm, sequence_ids
 
 __all__ = [
     "recurrent_gated_delta_rule",
@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 f32 = jnp.float32
-_HI = jax.lax.Precision.HIGHEST
 
 
 def _step(S, q, k, v, g, b, w, scale, io_dtype):
@@ -46,18 +45,10 @@ def _step(S, q, k, v, g, b, w, scale, io_dtype):
       (new state, o [N, HV, V] f32).
     """
     S = S * jnp.exp(g)[..., :, None]
-    Sr = S.astype(io_dtype)
-    bk = (b * k).astype(io_dtype)
-    erase = jnp.einsum("nhk,nhkv->nhv", bk, Sr, preferred_element_type=f32, precision=_HI)
+    erase = mm("nhk,nhkv->nhv", b * k, S, io_dtype)
     v_delta = w * v - erase
     S = S + k[..., :, None] * v_delta[..., None, :]
-    o = jnp.einsum(
-        "nhk,nhkv->nhv",
-        q.astype(io_dtype),
-        S.astype(io_dtype),
-        preferred_element_type=f32,
-        precision=_HI,
-    )
+    o = mm("nhk,nhkv->nhv", q, S, io_dtype)
     return S, o * scale
 
 

@@ -1,0 +1,45 @@
+"""Shared test plumbing: the three variants' ops and references, positional argument packing,
+and the loss used to check every gradient under random cotangents."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gdn_jax
+from gdn_jax import reference
+
+OPS = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}
+RECURRENT = {
+    "gdn": reference.recurrent_gated_delta_rule,
+    "kda": reference.recurrent_kda,
+    "gdn2": reference.recurrent_gdn2,
+}
+CHUNK = {
+    "gdn": reference.chunk_gated_delta_rule,
+    "kda": reference.chunk_kda,
+    "gdn2": reference.chunk_gdn2,
+}
+STEPS = {"gdn": gdn_jax.gated_delta_rule_step, "kda": gdn_jax.kda_step, "gdn2": gdn_jax.gdn2_step}
+
+
+def positional(x: dict, variant: str) -> tuple:
+    """The op's positional arguments from a ``random_inputs`` dict."""
+    gates = (x["b"], x["w"]) if variant == "gdn2" else (x["beta"],)
+    return (x["q"], x["k"], x["v"], x["g"]) + gates
+
+
+def value_and_grads(fn, args, h0, cotangent_seed=1, **kw):
+    """(o, final) and the gradients of Σ o·do + Σ final·dfinal w.r.t. args and h0."""
+    o, final = fn(*args, initial_state=h0, output_final_state=True, **kw)
+    r = np.random.default_rng(cotangent_seed)
+    do = jnp.asarray(r.standard_normal(o.shape), jnp.float32)
+    dfinal = jnp.asarray(r.standard_normal(final.shape), jnp.float32)
+
+    def loss(args, h0):
+        o, f = fn(*args, initial_state=h0, output_final_state=True, **kw)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(f * dfinal)
+
+    grads = jax.grad(loss, argnums=(0, 1))(tuple(args), h0)
+    return (o, final), tuple(grads[0]) + (grads[1],)
