@@ -4,6 +4,7 @@ the chunk layout that maps tokens to fixed-size chunks that never straddle seque
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,25 +15,48 @@ L2NORM_EPS = 1e-6
 _HI = jax.lax.Precision.HIGHEST
 
 
-def mm(spec: str, a: jax.Array, b: jax.Array, dtype=None) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def round_through(x: jax.Array, dtype) -> jax.Array:
+    """Rounds f32 ``x`` to ``dtype`` and back; the derivative is the identity (straight through),
+    so cotangents are not rounded on the way back."""
+    return x.astype(dtype).astype(x.dtype)
+
+
+@round_through.defjvp
+def _round_through_jvp(dtype, primals, tangents):
+    return round_through(primals[0], dtype), tangents[0]
+
+
+def mm(spec: str, a: jax.Array, b: jax.Array, dtype=None, *, exact_grad: bool = False) -> jax.Array:
     """einsum with f32 accumulation; operands are first rounded to ``dtype`` (default: unchanged).
 
-    XLA:CPU has no bf16 x bf16 -> f32 dot for every shape, so there the rounded operands are
-    multiplied in f32, which gives the same products (exact in f32) and the same f32 sums.
+    Args:
+      exact_grad: round the operands straight-through (cotangents stay f32). Otherwise the
+        cotangents of the rounded operands are rounded too, as in a computation run entirely in
+        the io dtype.
+
+    XLA:CPU has no bf16 x bf16 -> f32 dot for every shape, so there (and with ``exact_grad``) the
+    rounded operands are multiplied in f32: the products are exact in f32 and the sums are f32.
     """
-    if dtype is not None:
-        a, b = a.astype(dtype), b.astype(dtype)
+    if dtype is not None and jnp.dtype(dtype) != f32:
+        if exact_grad:
+            a, b = (
+                round_through(a.astype(f32), jnp.dtype(dtype).name),
+                round_through(b.astype(f32), jnp.dtype(dtype).name),
+            )
+        else:
+            a, b = a.astype(dtype), b.astype(dtype)
     if jax.default_backend() == "cpu":
         a, b = a.astype(f32), b.astype(f32)
     return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=_HI)
 
 
-def l2norm(x: jax.Array) -> jax.Array:
-    """``x / sqrt(sum(x**2) + 1e-6)`` over the last axis, computed in f32, returned in x.dtype."""
+def l2norm(x: jax.Array, dtype=None) -> jax.Array:
+    """``x / sqrt(sum(x**2) + 1e-6)`` over the last axis in f32, returned in ``dtype`` (default
+    x.dtype)."""
     x32 = x.astype(f32)
-    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)).astype(
-        x.dtype
-    )
+    y = x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)
+    return y.astype(x.dtype if dtype is None else dtype)
 
 
 def sequence_ids(cu_seqlens: jax.Array, T: int) -> jax.Array:

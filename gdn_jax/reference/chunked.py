@@ -36,9 +36,9 @@ from gdn_jax.reference._common import (
     chunk_layout,
     from_chunks,
     l2norm,
-    mm,
     to_chunks,
 )
+from gdn_jax.reference._common import mm as _mm_io
 
 __all__ = [
     "chunk_gated_delta_rule",
@@ -54,6 +54,11 @@ __all__ = [
 
 f32 = jnp.float32
 SUB_CHUNK = 16
+
+
+def mm(spec: str, a: jax.Array, b: jax.Array, dtype=None) -> jax.Array:
+    """The chunked path's products: operands rounded to ``dtype`` straight-through, f32 sums."""
+    return _mm_io(spec, a, b, dtype, exact_grad=True)
 
 
 def gate_cumsum(g: jax.Array) -> jax.Array:
@@ -244,7 +249,9 @@ def prepare(q, k, v, g, b, w, initial_state, use_qk_l2norm, cu_seqlens, chunk_si
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        # Kept in f32: the products round them to the io dtype on the way in, and the norm's
+        # backward (a projection that cancels most of dk) then sees f32 cotangents.
+        q, k = l2norm(q, f32), l2norm(k, f32)
     rep = HV // H
     q = jnp.repeat(q, rep, axis=2)
     k = jnp.repeat(k, rep, axis=2)
