@@ -1,0 +1,166 @@
+"""Remat and host-offload policies (gdn_jax.remat) on CPU.
+
+The CPU lowering drops host offload (the copies become no-ops), so these tests check what a CPU
+can: the jaxpr moves the chosen tensors to host memory, the lowering *for cuda* carries the
+``pinned_host`` placements, and results do not change.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import gdn_jax
+from gdn_jax import remat
+from gdn_jax.ops import _xla
+
+
+@pytest.fixture
+def named_core_residuals():
+    """Let outer checkpoint policies see the xla core's named residuals.
+
+    With ``optimize_remat=True`` the custom_vjp forward becomes one opaque ``remat_opt``
+    primitive, so a policy never sees the ``checkpoint_name`` calls inside it and recomputes the
+    whole core forward instead of saving/offloading the named residuals. Until the ops use
+    ``optimize_remat=False`` (see docs/fp8_remat.md), tests switch it off for their duration.
+    """
+    old = _xla.chunked_core.optimize_remat
+    _xla.chunked_core.optimize_remat = False
+    jax.clear_caches()  # the ops are jitted: drop traces made with the other setting
+    try:
+        yield
+    finally:
+        _xla.chunked_core.optimize_remat = old
+        jax.clear_caches()
+
+
+def host_shapes(jaxpr_text: str) -> list[str]:
+    """(dtype, shape) of every value the forward pass copies to host memory."""
+    return re.findall(r"\w+:(\w+)<host>(\[[\d,]*\]) = device_put", jaxpr_text)
+
+
+def test_constants_kept():
+    assert remat.CORE_RESIDUALS == ("gdn_gate_cumsum", "gdn_A", "gdn_chunk_states")
+    assert len(set(remat.ALL_NAMES)) == len(remat.ALL_NAMES)
+    assert set(remat.CORE_RESIDUALS) <= set(remat.ALL_NAMES)
+
+
+def _toy(x):
+    a = checkpoint_name(jnp.sin(x), "big")
+    b = checkpoint_name(jnp.cos(x[:2, :2]), "small")
+    c = checkpoint_name(jnp.tanh(x), "other")
+    return jnp.sum(a * jnp.exp(a)) + jnp.sum(b * jnp.exp(b)) + jnp.sum(c * c)
+
+
+def _grad_jaxpr(f, policy, *args):
+    return str(jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=policy)))(*args))
+
+
+def test_policy_actions_and_threshold():
+    x = jnp.linspace(-1, 1, 64 * 64).reshape(64, 64)
+    spec = {"big": "offload", "small": "offload", "other": "save"}
+    text = _grad_jaxpr(_toy, remat.remat_policy(spec), x)
+    assert sorted(host_shapes(text)) == [("f32", "[2,2]"), ("f32", "[64,64]")]
+    # Threshold: the 4-element tensor stays on the device, the 4096-element one moves.
+    text = _grad_jaxpr(_toy, remat.remat_policy(spec, offload_threshold=100), x)
+    assert host_shapes(text) == [("f32", "[64,64]")]
+    # remat: nothing moves.
+    assert host_shapes(_grad_jaxpr(_toy, remat.remat_policy({"big": "remat"}), x)) == []
+    # Offloading moves bits, it does not change them: bitwise equal to saving on the device.
+    # (Against no checkpoint at all, recomputation may fuse differently: rounding level.)
+    on_device = {"big": "save", "small": "save", "other": "save"}
+    saved = jax.jit(jax.grad(jax.checkpoint(_toy, policy=remat.remat_policy(on_device))))(x)
+    for th in (0, 100):
+        pol = remat.remat_policy(spec, offload_threshold=th)
+        g = jax.jit(jax.grad(jax.checkpoint(_toy, policy=pol)))(x)
+        np.testing.assert_array_equal(g, saved)
+    np.testing.assert_allclose(g, jax.grad(_toy)(x), rtol=1e-5, atol=1e-7)
+
+
+def test_bad_spec_raises():
+    with pytest.raises(ValueError, match="must be one of"):
+        remat.remat_policy({"big": "keep"})
+    with pytest.raises(ValueError, match="offload_threshold"):
+        remat.remat_policy({"big": "offload"}, offload_threshold=-1)
+    with pytest.raises(ValueError, match="fraction"):
+        remat.layer_policies({"big": "offload"}, 4, offload_fraction=1.5)
+
+
+@pytest.mark.parametrize("fraction, expected", [(0, 0), (0.5, 2), (1, 4)])
+def test_offload_fraction(fraction, expected):
+    assert remat.offloaded_layers(4, fraction) == tuple(i < expected for i in range(4))
+    x = jnp.ones((8, 8))
+    pols = remat.layer_policies({"big": "offload"}, 4, offload_fraction=fraction)
+    moved = [bool(host_shapes(_grad_jaxpr(_toy, p, x))) for p in pols]
+    assert moved == [i < expected for i in range(4)]
+
+
+def test_spec_from_flags():
+    spec = remat.spec_from_flags("save", "core,mlp_hidden")
+    assert {n for n, a in spec.items() if a == "offload"} == {
+        *remat.CORE_RESIDUALS,
+        remat.MLP_HIDDEN,
+    }
+    assert spec[remat.GDN_QKV] == "save"
+    assert set(remat.spec_from_flags("remat").values()) == {"remat"}
+
+
+def _core_inputs(T=48, H=2, K=16):
+    ks = jax.random.split(jax.random.key(1), 5)
+    q = jax.random.normal(ks[0], (1, T, H, K), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (1, T, H, K), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, T, H, K), jnp.bfloat16)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (1, T, H)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H)))
+    return q, k, v, g, beta
+
+
+def _core_loss(q, k, v, g, beta):
+    o, _ = gdn_jax.gated_delta_rule(
+        jnp.sin(q), k, v, g, beta, use_qk_l2norm=True, chunk_size=16, implementation="xla"
+    )
+    return jnp.sum(jnp.square(o.astype(jnp.float32)))
+
+
+def test_core_residuals_offloaded_and_results_unchanged(named_core_residuals):
+    args = _core_inputs()
+    spec = dict.fromkeys(remat.CORE_RESIDUALS, "offload")
+    pol = remat.remat_policy(spec)
+    text = _grad_jaxpr(_core_loss, pol, *args)
+    # T=48, C=16: 3 chunks; G [1,3,16,2,1], A [1,3,2,16,16], states [1,3,2,16,16].
+    shapes = sorted(s for _, s in host_shapes(text))
+    assert len(shapes) == 3, shapes
+    assert "[1,3,2,16,16]" in shapes
+    # Offloading the residuals gives the bits that saving them on the device gives.
+    outs = []
+    for action in ("save", "offload"):
+        p = remat.remat_policy(dict.fromkeys(remat.CORE_RESIDUALS, action))
+        step = jax.jit(jax.grad(jax.checkpoint(_core_loss, policy=p), argnums=(0, 1, 2, 3, 4)))
+        outs.append(step(*args))
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_cuda_lowering_has_pinned_host(named_core_residuals):
+    args = _core_inputs()
+    pol = remat.remat_policy({remat.GDN_CHUNK_STATES: "offload", remat.GDN_A: "save"})
+    f = jax.jit(jax.grad(jax.checkpoint(_core_loss, policy=pol)))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "annotate_device_placement" in text
+    assert '_xla_buffer_placement = "pinned_host"' in text
+    # and the CPU lowering of the same step holds no placement (why CPU checks the jaxpr).
+    assert "pinned_host" not in f.trace(*args).lower().as_text()
+
+
+def test_optimize_remat_hides_names():
+    """Documents why the fixture above exists: with optimize_remat the names are invisible."""
+    if not _xla.chunked_core.optimize_remat:
+        pytest.skip("ops already expose their residual names (optimize_remat=False)")
+    jax.clear_caches()
+    pol = remat.remat_policy(dict.fromkeys(remat.CORE_RESIDUALS, "offload"))
+    assert host_shapes(_grad_jaxpr(_core_loss, pol, *_core_inputs())) == []
