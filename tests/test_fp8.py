@@ -1,0 +1,303 @@
+"""FP8 projections (gdn_jax.fp8): native backend numerics, the core guard, TE recipe checks.
+
+Tolerances (relative RMS against the BF16 layer, stated here and in docs/fp8_remat.md): e4m3 has
+3 mantissa bits, so one rounding is off by up to 2^-4 of the value (RMS ≈ 2^-4/√3 ≈ 3.6 %); a
+projection's output carries the error of two roundings (≈ 4-5 %) and the gradients, which add an
+e5m2 rounding (2 mantissa bits, RMS ≈ 7 %), ≈ 8-10 %. Through the whole GDN layer we allow 10 %
+on the output and 20 % on every gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import gdn_jax
+from gdn_jax import fp8
+from gdn_jax.nn import GatedDeltaNet
+from gdn_jax.nn import gated_deltanet as gdn_layer
+from gdn_jax.testing import rel_rms
+
+DN = (((2,), (0,)), ((), ()))  # [B, T, D] x [D, F]
+
+
+def _xw(dtype=jnp.float32):
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (2, 24, 32), jnp.float32).astype(dtype)
+    w = (0.2 * jax.random.normal(kw, (32, 48), jnp.float32)).astype(dtype)
+    return x, w
+
+
+def _deq(x, dtype):
+    q, s = fp8.quantize(x, dtype)
+    return q.astype(jnp.float32) * s
+
+
+def test_quantize():
+    x = jnp.array([0.0, 1.0, -3.0, 896.0])
+    q, s = fp8.quantize(x)
+    assert q.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float32
+    assert float(s) == 2.0  # amax 896 maps to e4m3's max 448
+    np.testing.assert_array_equal(q.astype(jnp.float32) * s, x)
+    q, s = fp8.quantize(jnp.zeros(3), fp8.E5M2)
+    assert float(s) == 1.0 and q.dtype == jnp.float8_e5m2 and not jnp.any(q.astype(float))
+
+
+def test_native_forward_is_scaled_fp8_gemm():
+    x, w = _xw()
+    y = fp8.native_fp8_dot_general(x, w, DN)
+    assert y.shape == (2, 24, 48) and y.dtype == jnp.float32
+    # Exactly a GEMM of the dequantised operands (up to where the scale is applied).
+    ref = jnp.einsum("btd,df->btf", _deq(x, fp8.E4M3), _deq(w, fp8.E4M3))
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+    assert rel_rms(y, x @ w) < 0.06
+    # Compute dtype in, compute dtype out (f32 accumulation inside).
+    xb, wb = _xw(jnp.bfloat16)
+    assert fp8.native_fp8_dot_general(xb, wb, DN).dtype == jnp.bfloat16
+    assert fp8.native_fp8_dot_general(xb, wb, DN, preferred_element_type=jnp.float32).dtype == (
+        jnp.float32
+    )
+
+
+def test_native_backward_uses_e5m2_cotangent():
+    x, w = _xw()
+    ct = jax.random.normal(jax.random.key(3), (2, 24, 48))
+    _, vjp = jax.vjp(lambda a, b: fp8.native_fp8_dot_general(a, b, DN), x, w)
+    dx, dw = vjp(ct)
+    g = _deq(ct.reshape(48, 48), fp8.E5M2)
+    qx = _deq(x.reshape(48, 32), fp8.E4M3)
+    qw = _deq(w, fp8.E4M3)
+    np.testing.assert_allclose(dx, (g @ qw.T).reshape(x.shape), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, qx.T @ g, rtol=1e-5, atol=1e-5)
+    _, vjp_ref = jax.vjp(lambda a, b: jnp.einsum("btd,df->btf", a, b), x, w)
+    for a, b in zip((dx, dw), vjp_ref(ct), strict=True):
+        assert rel_rms(a, b) < 0.1
+    # The jaxpr holds the FP8 GEMMs: e4m3 x e4m3 forward, e5m2 x e4m3 backward.
+    text = str(
+        jax.make_jaxpr(jax.grad(lambda a, b: fp8.native_fp8_dot_general(a, b, DN).sum(), (0, 1)))(
+            x, w
+        )
+    )
+    assert "f8_e4m3fn" in text and "f8_e5m2" in text
+
+
+def test_native_rejects_batch_dims():
+    with pytest.raises(NotImplementedError, match="batch dims"):
+        fp8.native_fp8_dot_general(
+            jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)), (((2,), (1,)), ((0,), (0,)))
+        )
+
+
+def test_dot_general_table():
+    assert fp8.dot_general(None) is jax.lax.dot_general
+    assert fp8.dot_general("native") is fp8.native_fp8_dot_general
+    with pytest.raises(ValueError, match="TEDense"):
+        fp8.dot_general("te")
+    with pytest.raises(ValueError, match="expected one of"):
+        fp8.dot_general("int8")
+
+
+# -- the GDN layer ---------------------------------------------------------------------------
+
+
+def _layer(backend):
+    layer = GatedDeltaNet(
+        32, num_heads=2, head_dim=16, chunk_size=16, implementation="xla",
+        dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    return fp8.convert_projections(layer, backend)
+
+
+def _layer_loss(layer, x, ct):
+    y = layer(x)
+    return jnp.sum(y.astype(jnp.float32) * ct), y
+
+
+@pytest.fixture(scope="module")
+def layer_data():
+    kx, kc = jax.random.split(jax.random.key(1))
+    return jax.random.normal(kx, (2, 32, 32)), jax.random.normal(kc, (2, 32, 32))
+
+
+def test_layer_native_vs_bf16(layer_data):
+    x, ct = layer_data
+    out, grads = {}, {}
+    for backend in (None, "native"):
+        layer = _layer(backend)
+        step = nnx.jit(nnx.grad(_layer_loss, argnums=(0, 1), has_aux=True))
+        grads[backend], out[backend] = step(layer, x, ct)
+    assert out["native"].dtype == jnp.bfloat16
+    assert 0 < rel_rms(out["native"], out[None]) < 0.10
+    (gp_n, gx_n), (gp_b, gx_b) = grads["native"], grads[None]
+    assert rel_rms(gx_n, gx_b) < 0.20
+    flat_n, flat_b = dict(nnx.to_flat_state(gp_n)), dict(nnx.to_flat_state(gp_b))
+    assert flat_n.keys() == flat_b.keys()
+    for path in flat_b:
+        err = rel_rms(flat_n[path][...], flat_b[path][...])
+        assert err < 0.20, (path, err)
+
+
+def test_core_never_sees_fp8(layer_data, monkeypatch):
+    """The core's inputs and outputs are never FP8, also with FP8 handed to the guard."""
+    x, ct = layer_data
+    seen = []
+    core = gdn_layer._OPS["gdn"][0]
+
+    def spy(*args, **kwargs):
+        out = core(*args, **kwargs)
+        seen.append(([a.dtype for a in args], [o.dtype for o in jax.tree.leaves(out)]))
+        seen[-1] += (fp8.fp8_enabled(),)
+        return out
+
+    guarded = fp8.fp8_free(spy)
+    monkeypatch.setitem(gdn_layer._OPS, "gdn", (guarded, gdn_layer._OPS["gdn"][1]))
+    layer = _layer("native")
+    jax.make_jaxpr(jax.grad(jax.checkpoint(lambda x: _layer_loss(layer, x, ct)[0])))(x)
+    assert seen
+    for ins, outs, enabled in seen:
+        assert not enabled
+        assert not any(
+            jnp.finfo(d).bits == 8 for d in ins + outs if jnp.issubdtype(d, jnp.floating)
+        )
+    # FP8 arguments are upcast before the core sees them.
+    q = jnp.ones((1, 16, 2, 16), jnp.float8_e4m3fn)
+    g, beta = -jnp.ones((1, 16, 2)) * 0.1, jnp.ones((1, 16, 2)) * 0.5
+    o, _ = guarded(q, q, q, g, beta, chunk_size=16, implementation="xla")
+    assert seen[-1][0][:3] == [jnp.bfloat16] * 3 and o.dtype == jnp.bfloat16
+
+
+def test_no_fp8_region_has_no_fp8_ops():
+    """A projection traced inside the guard (forward and backward, under remat) stays BF16."""
+    x, w = _xw(jnp.bfloat16)
+
+    def f(x, w):
+        with fp8.no_fp8():
+            y = fp8.native_fp8_dot_general(x, w, DN)
+            o, _ = gdn_jax.gated_delta_rule(
+                y[..., :32].reshape(2, 24, 2, 16), y[..., 16:48].reshape(2, 24, 2, 16),
+                y[..., :32].reshape(2, 24, 2, 16), -jnp.ones((2, 24, 2)) * 0.1,
+                jnp.ones((2, 24, 2)) * 0.5, chunk_size=16, implementation="xla",
+            )  # fmt: skip
+        return o.astype(jnp.float32).sum()
+
+    text = str(jax.make_jaxpr(jax.grad(jax.checkpoint(f), (0, 1)))(x, w))
+    assert "f8" not in text
+
+
+def test_context_restored_after_exception():
+    assert fp8.fp8_enabled()
+    with pytest.raises(RuntimeError, match="boom"), fp8.no_fp8():
+        assert not fp8.fp8_enabled()
+        raise RuntimeError("boom")
+    assert fp8.fp8_enabled()
+    with fp8.no_fp8():
+        with fp8.no_fp8():
+            pass
+        assert not fp8.fp8_enabled()  # an inner exit restores the outer guard, not "on"
+    assert fp8.fp8_enabled()
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """A stand-in for TE-JAX's autocast state with the behaviour that makes restoring
+    necessary: its autocast *resets* the global config on exit instead of restoring it."""
+    helper = types.ModuleType("transformer_engine.jax.quantize.helper")
+
+    class QuantizeConfig:
+        INITIALIZED = False
+        RECIPE = None
+
+    helper.QuantizeConfig = QuantizeConfig
+
+    @contextlib.contextmanager
+    def autocast(enabled=False, recipe=None, mesh_resource=None):
+        try:
+            QuantizeConfig.INITIALIZED, QuantizeConfig.RECIPE = enabled, recipe
+            yield
+        finally:
+            QuantizeConfig.INITIALIZED, QuantizeConfig.RECIPE = False, None
+
+    te = types.ModuleType("transformer_engine.jax")
+    te.autocast = autocast
+    monkeypatch.setitem(sys.modules, "transformer_engine.jax", te)
+    monkeypatch.setitem(sys.modules, helper.__name__, helper)
+    return te, QuantizeConfig
+
+
+def test_te_autocast_state_restored(fake_te):
+    te, cfg = fake_te
+    with te.autocast(enabled=True, recipe="outer"):
+        with fp8.no_fp8():
+            assert not cfg.INITIALIZED  # the core runs with TE's quantisation off
+        assert cfg.INITIALIZED and cfg.RECIPE == "outer"  # restored, not reset
+        with pytest.raises(ValueError, match="inside"), fp8.no_fp8():
+            raise ValueError("inside the core")
+        assert cfg.INITIALIZED and cfg.RECIPE == "outer"
+        assert fp8.fp8_enabled()
+
+
+# -- TE recipes and availability ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_blackwell_recipes_rejected_on_hopper(recipe):
+    with pytest.raises(fp8.UnsupportedRecipeError) as e:
+        fp8.check_recipe(recipe, compute_capability="9.0", device_kind="NVIDIA H200")
+    msg = str(e.value)
+    assert "NVIDIA H200" in msg and "BlockScaling" in msg and "10.0" in msg
+    assert fp8.check_recipe(recipe, compute_capability="10.0", device_kind="NVIDIA B200")
+
+
+def test_recipe_checks():
+    for name, cls in (("delayed", "DelayedScaling"), ("current", "Float8CurrentScaling")):
+        assert fp8.check_recipe(name, compute_capability="9.0") == cls
+    with pytest.raises(fp8.UnsupportedRecipeError, match="8.9"):
+        fp8.check_recipe("current", compute_capability="8.0", device_kind="NVIDIA A100")
+    with pytest.raises(fp8.UnsupportedRecipeError, match="expected one of"):
+        fp8.check_recipe("int8")
+
+    class Float8BlockScaling:  # a TE recipe TE-JAX does not run
+        pass
+
+    with pytest.raises(fp8.UnsupportedRecipeError, match="Float8BlockScaling"):
+        fp8.check_recipe(Float8BlockScaling(), compute_capability="9.0")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        with pytest.raises(fp8.UnsupportedRecipeError, match="needs an NVIDIA GPU"):
+            fp8.check_recipe("current")
+
+
+TE_OK, TE_WHY = fp8.te_available()
+
+
+@pytest.mark.skipif(TE_OK, reason="TE imports here; the missing-TE error is not reachable")
+def test_te_missing_is_a_clear_error():
+    with pytest.raises(fp8.TEUnavailableError, match="TransformerEngine-JAX"):
+        fp8.TEDense(8, 8, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.skipif(not TE_OK, reason=f"TransformerEngine-JAX unavailable: {TE_WHY}")
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_te_dense_vs_bf16(recipe):
+    x, w = _xw(jnp.bfloat16)
+    layer = fp8.TEDense(32, 48, recipe=recipe, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer.inner.kernel[...] = w.astype(jnp.float32)
+    y = layer(x)
+    assert rel_rms(y, x.astype(jnp.float32) @ w.astype(jnp.float32)) < 0.1
+    state = nnx.state(layer, (nnx.Param, fp8.FP8Meta))
+    graphdef = nnx.graphdef(layer)
+
+    def loss(state):
+        return nnx.merge(graphdef, state)(x).astype(jnp.float32).sum()
+
+    grads = jax.grad(loss)(state)
+    params, meta = fp8.split_fp8_meta_grads(grads)
+    assert jax.tree.leaves(params)
+    if recipe == "delayed":
+        assert jax.tree.leaves(meta)  # amax histories / scales come back as "gradients"
