@@ -1,0 +1,533 @@
+"""Sharding: the GDN ops per shard through ``shard_map``, context parallelism, model rules, meshes.
+
+Pallas kernels are opaque to XLA's partitioner, so the ops run per shard inside
+:func:`jax.shard_map` (DESIGN §5). Every (sequence, value head) pair is independent, so batch and
+head sharding need no communication at all. A sequence split over a mesh axis (context
+parallelism) needs the recurrent state to cross shard boundaries; two ways are offered:
+
+- ``"all_to_all"`` (Ulysses): one all-to-all turns the sequence-sharded inputs into
+  head-sharded ones (each device sees the whole sequence for a slice of the heads), the op runs
+  unsharded in time, and one all-to-all brings the output back to sequence sharding. Needs the
+  head counts to divide by (head shards × context shards).
+- ``"state_passing"`` (LASP-2 style): the state at a segment's end is affine in the state at its
+  start, ``S_end = M S_start + c`` with ``M`` [K, K] per head. Each shard gets ``(c, M)`` from one
+  call of the op on augmented values ``[v | 0_K]`` started from ``[0 | I_K]`` (the last K value
+  channels then carry ``M``), all-gathers them over the context axis, composes the maps of the
+  shards before it (a prefix over the few context shards) to get its true initial state, and
+  reruns the op from it. Communication is one all-gather of ``K·(K+V)`` floats per head and
+  shard, independent of T; there is no constraint on head counts.
+
+Both are plain JAX programs around the public op, so the backward pass is JAX autodiff of the
+``shard_map`` (the transposes of ``all_gather``/``all_to_all`` are ``psum_scatter``/``all_to_all``).
+
+Example::
+
+    mesh = make_mesh("data=2,tensor=2,context=2")
+    cfg = ShardingConfig(mesh, batch="data", heads="tensor", context="context")
+    op = shard_op(gdn_jax.gated_delta_rule, cfg)
+    o, final = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+For the model, :func:`logical_axis_rules` maps the parameters' logical axis names to mesh axes for
+data parallel (``data``), fully sharded data parallel (``fsdp``) and tensor parallel (``tensor``)
+training; :func:`shard_model` places a model's variables accordingly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "ShardingConfig",
+    "shard_op",
+    "parse_mesh",
+    "make_mesh",
+    "logical_axis_rules",
+    "model_core_sharding",
+    "check_model_divisibility",
+    "model_shardings",
+    "shard_model",
+    "batch_sharding",
+]
+
+AxisNames = str | Sequence[str] | None
+ContextMode = Literal["all_to_all", "state_passing"]
+CONTEXT_MODES = ("all_to_all", "state_passing")
+
+# Default mesh axis names (what ``examples/train.py --mesh`` and the rules use).
+DATA, FSDP, TENSOR, CONTEXT = "data", "fsdp", "tensor", "context"
+
+
+def _as_tuple(axes: AxisNames) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """One PartitionSpec entry for a dimension split over ``axes`` (major to minor)."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+# --------------------------------------------------------------------------------------------
+# Ops
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """How an op's tensors are laid out on a mesh.
+
+    Attributes:
+      mesh: the device mesh.
+      batch: mesh axes that split the batch dimension B (major to minor), e.g. ``("data", "fsdp")``.
+      heads: mesh axes that split the head dimensions: q/k heads H and value heads HV by the same
+        factor, so a GVA group (value heads ``r·j … r·j + r − 1`` reading q/k head ``j``) stays on
+        one shard.
+      context: a mesh axis that splits the sequence dimension T, or None.
+      context_mode: ``"state_passing"`` (default; any head count) or ``"all_to_all"`` (needs H and
+        HV divisible by the head shards times the context shards).
+    """
+
+    mesh: Mesh
+    batch: AxisNames = None
+    heads: AxisNames = None
+    context: str | None = None
+    context_mode: ContextMode = "state_passing"
+
+    def __post_init__(self):
+        object.__setattr__(self, "batch", _as_tuple(self.batch))
+        object.__setattr__(self, "heads", _as_tuple(self.heads))
+        used = list(self.batch) + list(self.heads) + ([self.context] if self.context else [])
+        for a in used:
+            if a not in self.mesh.axis_names:
+                raise ValueError(
+                    f"mesh axis {a!r} is not in the mesh (axes {self.mesh.axis_names}, "
+                    f"shape {dict(self.mesh.shape)})"
+                )
+        if len(set(used)) != len(used):
+            raise ValueError(f"a mesh axis is used twice: batch={self.batch}, "
+                             f"heads={self.heads}, context={self.context!r}")  # fmt: skip
+        if self.context_mode not in CONTEXT_MODES:
+            raise ValueError(f"context_mode={self.context_mode!r}: expected one of {CONTEXT_MODES}")
+
+    def size(self, axes: AxisNames) -> int:
+        """Number of shards along ``axes`` (1 for none)."""
+        return math.prod(self.mesh.shape[a] for a in _as_tuple(axes))
+
+    @property
+    def context_size(self) -> int:
+        return self.size(self.context)
+
+    def _cp(self) -> bool:
+        # A context axis of size 1 is no context parallelism; skip the collectives.
+        return self.context is not None and self.context_size > 1
+
+    def token_spec(self, rank: int) -> P:
+        """Spec of a ``[B, T, heads, ...]`` tensor of the given rank (inputs and output)."""
+        ctx = self.context if self._cp() else None
+        return P(_entry(self.batch), ctx, _entry(self.heads), *([None] * (rank - 3)))
+
+    def state_spec(self) -> P:
+        """Spec of an ``[N, HV, K, V]`` state (as passed in and returned)."""
+        heads = self.heads
+        if self._cp() and self.context_mode == "all_to_all":
+            # Each context shard ends up owning a slice of its head shard's heads.
+            heads = heads + (self.context,)
+        return P(_entry(self.batch), _entry(heads), None, None)
+
+
+def _check(cfg: ShardingConfig, B, T, H, HV, cu_seqlens) -> None:
+    """Divisibility checks with errors that name the mesh axis, its size and the counts."""
+    nb, nh, nc = cfg.size(cfg.batch), cfg.size(cfg.heads), cfg.context_size
+    if B % nb:
+        raise ValueError(
+            f"batch mesh axes {cfg.batch} of size {nb} must divide the batch B={B}"
+            + (
+                "; packed sequences (cu_seqlens) have B == 1 and cannot be batch-sharded"
+                if cu_seqlens is not None
+                else ""
+            )  # fmt: skip
+        )
+    for name, n in (("H", H), ("HV", HV)):
+        if n % nh:
+            raise ValueError(
+                f"heads mesh axes {cfg.heads} of size {nh} must divide the head counts evenly "
+                f"(H={H} q/k heads, HV={HV} value heads; both are split by the same factor so GVA "
+                f"groups stay together); {name}={n} is not a multiple of {nh}"
+            )
+    if not cfg._cp():
+        return
+    if cu_seqlens is not None:
+        raise ValueError(
+            f"context axis {cfg.context!r} of size {nc}: packed sequences (cu_seqlens) cannot be "
+            "context-sharded; shard the packed row over heads only"
+        )
+    if T % nc:
+        raise ValueError(f"context mesh axis {cfg.context!r} of size {nc} must divide T={T}")
+    if cfg.context_mode == "all_to_all":
+        for name, n in (("H", H), ("HV", HV)):
+            if n % (nh * nc):
+                raise ValueError(
+                    f"context_mode='all_to_all' splits heads over the heads axes {cfg.heads} "
+                    f"(size {nh}) and the context axis {cfg.context!r} (size {nc}); {name}={n} "
+                    f"(H={H}, HV={HV}) is not a multiple of {nh * nc}; use "
+                    "context_mode='state_passing'"
+                )
+
+
+def _reshard(cfg: ShardingConfig, x, spec: P):
+    # shard_map asserts (does not convert) the layout of Explicit-axis inputs; Auto axes are
+    # resharded by the partitioner on its own.
+    if any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(cfg.mesh, spec))
+    return x
+
+
+def _all_to_all_local(op, cfg: ShardingConfig, arrays, h0, *, output_final_state, kwargs):
+    """Per shard: sequence → heads all-to-all, the op on whole sequences, heads → sequence."""
+    ax = cfg.context
+    # [B, T/n, h, ...] -> [B, T, h/n, ...]: chunk j of the local heads goes to context shard j, so
+    # shard j holds heads j·h/n … (j+1)·h/n − 1, the order ``state_spec`` declares.
+    arrays = [jax.lax.all_to_all(x, ax, split_axis=2, concat_axis=1, tiled=True) for x in arrays]
+    o, final = op(*arrays, initial_state=h0, output_final_state=output_final_state, **kwargs)
+    o = jax.lax.all_to_all(o, ax, split_axis=1, concat_axis=2, tiled=True)
+    return (o, final) if output_final_state else o
+
+
+def _segment_map(op, arrays, *, kwargs):
+    """The affine map ``S ↦ M S + c`` of this shard's segment, from one call of ``op``.
+
+    Values are augmented with K zero channels and the state starts at ``[0 | I_K]``, so the end
+    state is ``[c | M]``: ``c`` the end state from zero, ``M`` [B, HV, K, K] the state transition.
+    GDN2's write gate (the sixth array) covers the value channels and is padded with ones (any
+    value would do: it only multiplies the zero values).
+    """
+    q, k, v, *gates = arrays
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    v_aug = jnp.concatenate([v, jnp.zeros((B, T, HV, K), v.dtype)], axis=-1)
+    if len(gates) == 3:
+        w = gates[2]
+        gates = [gates[0], gates[1], jnp.concatenate([w, jnp.ones((B, T, HV, K), w.dtype)], -1)]
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
+    h_aug = jnp.concatenate([jnp.zeros((B, HV, K, V), jnp.float32), eye], axis=-1)
+    _, S = op(q, k, v_aug, *gates, initial_state=h_aug, output_final_state=True, **kwargs)
+    return S[..., V:], S[..., :V]
+
+
+def _state_passing_local(op, cfg: ShardingConfig, arrays, h0, *, output_final_state, kwargs):
+    """Per shard: segment map, all-gather + prefix combine, rerun from the true initial state."""
+    ax = cfg.context
+    v = arrays[2]
+    B, HV, V, K = v.shape[0], v.shape[2], v.shape[3], arrays[0].shape[-1]
+    M, c = _segment_map(op, arrays, kwargs=kwargs)
+    Ms = jax.lax.all_gather(M, ax)  # [n, B, HV, K, K]
+    cs = jax.lax.all_gather(c, ax)  # [n, B, HV, K, V]
+    S = jnp.zeros((B, HV, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    # The state entering shard j is the composition of the maps of shards 0 … j−1 applied to h0.
+    # The context axis is short, so an unrolled sequential prefix (n small K×K·K×V products,
+    # redundantly on every shard) is cheaper than a parallel scan's extra work.
+    starts = []
+    for j in range(Ms.shape[0]):
+        starts.append(S)
+        S = jnp.einsum("bhij,bhjv->bhiv", Ms[j], S, precision=jax.lax.Precision.HIGHEST) + cs[j]
+    S_in = jnp.stack(starts)[jax.lax.axis_index(ax)]
+    o, _ = op(*arrays, initial_state=S_in, output_final_state=False, **kwargs)
+    return (o, S) if output_final_state else o
+
+
+def shard_op(op: Callable, config: ShardingConfig) -> Callable:
+    """Run a GDN op per shard of ``config.mesh``.
+
+    Works with :func:`gdn_jax.gated_delta_rule`, :func:`gdn_jax.kda`, :func:`gdn_jax.gdn2` and the
+    ``gdn_jax.reference`` functions of the same signature (positional arrays ``q, k, v`` and the
+    gates, then keywords). The wrapped op has the same signature and returns the same global
+    arrays as the unsharded op; its inputs may be laid out anyhow (they are moved to the layout
+    below) and its outputs come back as:
+
+    - o ``[B, T, HV, V]``: ``P(batch, context, heads, None)``;
+    - final state ``[N, HV, K, V]``: ``P(batch, heads, None, None)`` (with ``"all_to_all"`` the
+      context axis joins the heads axes: ``P(batch, heads + (context,), None, None)``).
+
+    Args:
+      op: the op to shard.
+      config: mesh and the axes for B, heads and T.
+
+    Returns:
+      A function ``(q, k, v, *gates, initial_state=None, output_final_state=False,
+      cu_seqlens=None, **op_keywords) -> (o, final_state | None)``.
+
+    Raises (when called):
+      ValueError: the op's own argument checks (on the global shapes), or a mesh axis that does not
+        divide B, T or the head counts (the message names the axis, its size and the counts), or
+        ``cu_seqlens`` with batch or context sharding.
+    """
+
+    @functools.wraps(op)
+    def sharded(*arrays, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
+        # The op's own validation on the global shapes (no computation), so caller mistakes get
+        # the op's messages rather than ones about per-shard shapes.
+        jax.eval_shape(
+            lambda a, h, cu: op(*a, initial_state=h, output_final_state=output_final_state,
+                                cu_seqlens=cu, **kw),
+            arrays, initial_state, cu_seqlens,
+        )  # fmt: skip
+        q, v = arrays[0], arrays[2]
+        B, T, H = q.shape[:3]
+        HV = v.shape[2]
+        _check(config, B, T, H, HV, cu_seqlens)
+
+        cp = config._cp()
+        arr_specs = [config.token_spec(x.ndim) for x in arrays]
+        o_spec, s_spec = config.token_spec(4), config.state_spec()
+        # With state passing the caller's initial state is the state of the whole sequence:
+        # every context shard needs it (to combine), so it is replicated over the context axis.
+        args = list(arrays)
+        in_specs = list(arr_specs)
+        has_h0, has_cu = initial_state is not None, cu_seqlens is not None
+        if has_h0:
+            args.append(initial_state)
+            in_specs.append(s_spec)
+        if has_cu:
+            args.append(cu_seqlens)
+            in_specs.append(P())
+        args = [_reshard(config, x, s) for x, s in zip(args, in_specs, strict=True)]
+        n = len(arrays)
+
+        def local(*xs):
+            a = list(xs[:n])
+            h0 = xs[n] if has_h0 else None
+            extra = dict(kw)
+            if has_cu:
+                extra["cu_seqlens"] = xs[-1]
+            if cp and config.context_mode == "all_to_all":
+                body = _all_to_all_local
+            elif cp:
+                body = _state_passing_local
+            else:
+                o, final = op(*a, initial_state=h0, output_final_state=output_final_state, **extra)
+                return (o, final) if output_final_state else o
+            return body(op, config, a, h0, output_final_state=output_final_state, kwargs=extra)
+
+        out_specs = (o_spec, s_spec) if output_final_state else o_spec
+        # check_vma=False: the ops' scans start their carries from invariant zeros, which the
+        # varying-manual-axes check rejects. Without the check, shard_map's transpose divides
+        # the cotangents of outputs replicated over an axis by its size and psums the input
+        # cotangents over unmentioned axes, which is exact for our programs (every replicated
+        # output is computed identically on every shard); the tests check the gradients.
+        out = jax.shard_map(
+            local, mesh=config.mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+            check_vma=False,
+        )(*args)  # fmt: skip
+        return out if output_final_state else (out, None)
+
+    return sharded
+
+
+# --------------------------------------------------------------------------------------------
+# Meshes
+# --------------------------------------------------------------------------------------------
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """Parse ``"data=2,fsdp=2,tensor=2"`` into ``{"data": 2, "fsdp": 2, "tensor": 2}``.
+
+    One size may be ``-1``: it takes the devices left over (resolved by :func:`make_mesh`).
+    """
+    out: dict[str, int] = {}
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        name, eq, size = part.partition("=")
+        if not eq or not name or not size.lstrip("-").isdigit():
+            raise ValueError(
+                f"mesh spec {spec!r}: expected 'name=size[,name=size...]'; got {part!r}"
+            )
+        if name in out:
+            raise ValueError(f"mesh spec {spec!r}: axis {name!r} given twice")
+        n = int(size)
+        if n < 1 and n != -1:
+            raise ValueError(f"mesh spec {spec!r}: axis {name!r} has size {n}; expected ≥ 1 or -1")
+        out[name] = n
+    if not out:
+        raise ValueError(f"mesh spec {spec!r} names no axes")
+    if list(out.values()).count(-1) > 1:
+        raise ValueError(f"mesh spec {spec!r}: at most one axis may have size -1")
+    return out
+
+
+def make_mesh(
+    spec: str | Mapping[str, int],
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_type: AxisType = AxisType.Auto,
+) -> Mesh:
+    """A mesh from ``"data=2,fsdp=2,tensor=2"`` (or a name → size mapping).
+
+    Args:
+      spec: axis names and sizes, major to minor; one size may be -1 (the rest of the devices).
+      devices: devices to use (default ``jax.devices()``); a mesh smaller than the device list
+        takes its first devices.
+      axis_type: the axis type of every axis. ``Auto`` (default) lets the partitioner propagate
+        shardings from annotated parameters and inputs (what the model rules assume); ``Explicit``
+        works with :func:`shard_op` too.
+
+    Returns:
+      A :class:`jax.sharding.Mesh`.
+    """
+    sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    known = math.prod(n for n in sizes.values() if n != -1)
+    if -1 in sizes.values():
+        if len(devices) % known:
+            raise ValueError(f"mesh {sizes}: {len(devices)} devices are not a multiple of {known}")
+        sizes = {a: (len(devices) // known if n == -1 else n) for a, n in sizes.items()}
+    total = math.prod(sizes.values())
+    if total > len(devices):
+        raise ValueError(f"mesh {sizes} needs {total} devices; {len(devices)} available")
+    return jax.make_mesh(
+        tuple(sizes.values()),
+        tuple(sizes),
+        axis_types=(axis_type,) * len(sizes),
+        devices=devices[:total],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+def logical_axis_rules(
+    mesh: Mesh,
+    *,
+    data: str = DATA,
+    fsdp: str = FSDP,
+    tensor: str = TENSOR,
+    shard_kv_heads: bool = False,
+) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """Logical axis name → mesh axes for the hybrid LM (``nnx.logical_axis_rules``).
+
+    - DP: the batch (``"batch"``, for activations and inputs) is split over ``data`` and ``fsdp``.
+    - FSDP: every weight's model-width dimension (``embed``) is split over ``fsdp``; XLA gathers
+      it before use and reduce-scatters its gradient.
+    - TP (Megatron): ``heads`` over ``tensor``, so the GDN and attention input projections (q, k,
+      v, z, a, b, w: ``(embed, heads)``) are column-parallel, the output projections
+      (``(heads, embed)``) row-parallel, and the short convs, ``A_log`` and ``dt_bias``
+      (``heads``) are sharded with their heads; the SwiGLU is column/row parallel over ``mlp`` and
+      the vocabulary over ``tensor`` too. Norm weights and conv taps are replicated.
+    - ``kv_heads`` (softmax-attention K/V under GQA, usually fewer than the tensor shards) is
+      replicated unless ``shard_kv_heads``.
+
+    Axes missing from ``mesh`` are dropped, so ``make_mesh("data=8")`` gives plain DP.
+
+    Args:
+      mesh: the mesh the rules are for.
+      data, fsdp, tensor: the mesh axis names of the three kinds of parallelism.
+      shard_kv_heads: split ``kv_heads`` over ``tensor`` too.
+
+    Returns:
+      ``((logical, mesh_axes), ...)`` for every logical name the model uses.
+    """
+    from gdn_jax.nn.layers import CONV_TAPS, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB
+
+    has = set(mesh.axis_names)
+    batch = tuple(a for a in (data, fsdp) if a in has)
+    fs = fsdp if fsdp in has else None
+    tp = tensor if tensor in has else None
+    return (
+        ("batch", _entry(batch)),
+        (EMBED, fs),
+        (HEADS, tp),
+        (KV_HEADS, tp if shard_kv_heads else None),
+        (MLP, tp),
+        (VOCAB, tp),
+        (NORM, None),
+        (CONV_TAPS, None),
+    )
+
+
+def model_core_sharding(
+    mesh: Mesh, *, data: str = DATA, fsdp: str = FSDP, tensor: str = TENSOR
+) -> ShardingConfig:
+    """The :class:`ShardingConfig` of the GDN core that matches :func:`logical_axis_rules`."""
+    has = set(mesh.axis_names)
+    return ShardingConfig(
+        mesh,
+        batch=tuple(a for a in (data, fsdp) if a in has),
+        heads=tensor if tensor in has else None,
+    )
+
+
+def check_model_divisibility(config, mesh: Mesh, *, tensor: str = TENSOR) -> None:
+    """Raise ValueError when the tensor axis does not split the model's heads evenly.
+
+    Args:
+      config: a :class:`gdn_jax.models.HybridConfig`.
+      mesh: the mesh.
+      tensor: the tensor-parallel mesh axis name.
+    """
+    if tensor not in mesh.axis_names:
+        return
+    n = mesh.shape[tensor]
+    counts = {
+        "linear_num_heads": config.linear_num_heads,
+        "linear_num_v_heads": config.linear_num_v_heads,
+        "attn_num_heads": config.attn_num_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+    for name, c in counts.items():
+        if c % n:
+            raise ValueError(
+                f"mesh axis {tensor!r} of size {n} must divide {name}={c} "
+                f"(linear_num_heads={config.linear_num_heads}, "
+                f"linear_num_v_heads={config.linear_num_v_heads}, "
+                f"attn_num_heads={config.attn_num_heads})"
+            )
+
+
+def model_shardings(model, mesh: Mesh, rules) -> object:
+    """NamedShardings for ``nnx.state(model)`` resolved through ``rules``.
+
+    Args:
+      model: an ``nnx.Module`` whose parameters carry logical axis names.
+      mesh: the mesh.
+      rules: from :func:`logical_axis_rules`.
+
+    Returns:
+      A pytree like ``nnx.state(model)`` of :class:`jax.sharding.NamedSharding`.
+    """
+    from flax import nnx
+
+    with nnx.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(nnx.state(model))
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
+
+
+def shard_model(model, mesh: Mesh, rules) -> object:
+    """Move a model's variables to the layout of ``rules`` in place; returns the shardings."""
+    from flax import nnx
+
+    shardings = model_shardings(model, mesh, rules)
+    nnx.update(model, jax.device_put(nnx.state(model), shardings))
+    return shardings
+
+
+def batch_sharding(mesh: Mesh, rules, rank: int = 2) -> NamedSharding:
+    """Sharding of a ``[B, ...]`` input batch (tokens, targets) under ``rules``."""
+    batch = dict(rules).get("batch")
+    return NamedSharding(mesh, P(batch, *([None] * (rank - 1))))
