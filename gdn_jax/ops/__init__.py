@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from gdn_jax.ops import _validate as val
 from gdn_jax.ops import _xla
+from gdn_jax.qat import QATConfig
 from gdn_jax.reference import recurrent as _rec
 
 __all__ = [
@@ -83,6 +84,11 @@ def _run(variant: str, implementation, run_xla: Callable, run_pallas: Callable):
     )
 
 
+def _pallas_has_no_qat(qat) -> None:
+    if qat is not None:
+        raise NotImplementedError("the Pallas kernels do not fuse QAT fake quantisation yet")
+
+
 def _scale(K: int, scale):
     return K**-0.5 if scale is None else scale
 
@@ -101,6 +107,7 @@ def gated_delta_rule(
     cu_seqlens: jax.Array | None = None,
     chunk_size: int = 64,
     implementation: str | Sequence[str] | None = None,
+    qat: QATConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gated DeltaNet (scalar decay per head), chunked and trainable.
 
@@ -118,6 +125,8 @@ def gated_delta_rule(
       cu_seqlens: [N + 1] int32 packed-sequence offsets (B must be 1); empty sequences allowed.
       chunk_size: 16, 32 or 64.
       implementation: None (best for the platform), "pallas", "xla", or a sequence tried in order.
+      qat: optional :class:`gdn_jax.qat.QATConfig`: FP8 fake quantisation of the chunk-entering
+        state and of w (needs chunk_size 64).
 
     Returns:
       o [B, T, HV, V] in v.dtype, and the final state [N, HV, K, V] f32 (None unless
@@ -131,6 +140,7 @@ def gated_delta_rule(
     )
     val.check_gate("g", g, (B, T, HV))
     val.check_gate("beta", beta, (B, T, HV))
+    val.check_qat(qat, chunk_size)
     g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
     scale = _scale(K, scale)
 
@@ -138,10 +148,11 @@ def gated_delta_rule(
         b = beta[..., None]
         return _xla.chunked(
             q, k, v, g[..., None], b, b, scale=scale, initial_state=initial_state,
-            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
 
     def run_pallas(fn):
+        _pallas_has_no_qat(qat)
         return fn(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=True, use_qk_l2norm=use_qk_l2norm,
@@ -160,7 +171,7 @@ def _empty(v, initial_state, N, HV, K, V, output_final_state):
 
 
 def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final_state,
-                use_qk_l2norm, cu_seqlens, chunk_size, implementation):  # fmt: skip
+                use_qk_l2norm, cu_seqlens, chunk_size, implementation, qat):  # fmt: skip
     """Shared body of kda and gdn2 once their gates are given GDN2's form."""
     B, T, K = q.shape[0], q.shape[1], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
@@ -170,10 +181,11 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
     def run_xla():
         return _xla.chunked(
             q, k, v, g, b, w, scale=scale, initial_state=initial_state,
-            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
 
     def run_pallas(fn):
+        _pallas_has_no_qat(qat)
         return fn(
             q, k, v, g, b, w, scale=scale, initial_state=initial_state,
             output_final_state=True, use_qk_l2norm=use_qk_l2norm,
@@ -200,6 +212,7 @@ def kda(
     cu_seqlens: jax.Array | None = None,
     chunk_size: int = 64,
     implementation: str | Sequence[str] | None = None,
+    qat: QATConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Kimi Delta Attention: GDN with a decay per key channel, chunked and trainable.
 
@@ -219,11 +232,12 @@ def kda(
     )
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("beta", beta, (B, T, HV))
+    val.check_qat(qat, chunk_size)
     b = beta.astype(jnp.float32)[..., None]
     return _channel_op(
         "kda", q, k, v, g.astype(jnp.float32), b, b, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size, implementation=implementation,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, implementation=implementation, qat=qat,
     )  # fmt: skip
 
 
@@ -242,6 +256,7 @@ def gdn2(
     cu_seqlens: jax.Array | None = None,
     chunk_size: int = 64,
     implementation: str | Sequence[str] | None = None,
+    qat: QATConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gated DeltaNet-2: channel decay, channel erase gate and channel write gate.
 
@@ -264,12 +279,13 @@ def gdn2(
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("b", b, (B, T, HV, K))
     val.check_gate("w", w, (B, T, HV, V))
+    val.check_qat(qat, chunk_size)
     f = jnp.float32
     return _channel_op(
         "gdn2", q, k, v, g.astype(f), b.astype(f), w.astype(f), scale=scale,
         initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        implementation=implementation,
+        implementation=implementation, qat=qat,
     )  # fmt: skip
 
 

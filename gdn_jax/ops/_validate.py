@@ -94,3 +94,15 @@ def check_common(q, k, v, *, initial_state, cu_seqlens, chunk_size):
     if initial_state is not None:
         check_state("initial_state", initial_state, (N, HV, K, V))
     return B, T, H, HV, K, V, N
+
+
+def check_qat(qat, chunk_size) -> None:
+    """QAT needs a QATConfig and the chunk size its scales are defined for (64)."""
+    from gdn_jax.qat import QATConfig
+
+    if qat is None:
+        return
+    if not isinstance(qat, QATConfig):
+        raise ValueError(f"qat must be a gdn_jax.qat.QATConfig or None; got {type(qat).__name__}")
+    if chunk_size != 64:
+        raise ValueError(f"qat fake quantisation is defined for chunk_size=64; got {chunk_size=}")

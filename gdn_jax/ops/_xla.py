@@ -6,6 +6,8 @@ Backward plan (research/algorithms.md §1.4, restated for our stages):
 1. recompute w, u from the saved A, and v_new = u − w S_in from the saved chunk states;
 2. reverse recurrence for dS, the gradient of the state entering each chunk:
    dv_new = scale·Pᵀ do + k_dec dS_out,  dS_in = scale (q e^G)ᵀ do + e^{G_last} dS_out − wᵀ dv_new;
+   With QAT the saved states are the fake-quantised ones and the sites pass gradients straight
+   through, so the same formulas hold;
 3. every chunk's input gradients by the VJP of the chunk-local map
    (q, k, v, g, b, w) ↦ (o, S_out) with S_in held fixed, all chunks at once.
 """
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
+from gdn_jax.qat import QATConfig
 from gdn_jax.reference import chunked as ref
 from gdn_jax.reference._common import ChunkLayout, from_chunks
 
@@ -33,10 +36,12 @@ class ChunkConfig:
     Attributes:
       scale: query scale.
       dtype: name of the io dtype (operand dtype of the state/v_new products).
+      qat: optional fake quantisation of w and the chunk-entering states.
     """
 
     scale: float
     dtype: str
+    qat: QATConfig | None = None
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -49,6 +54,8 @@ def _local(cfg: ChunkConfig, q, k, v, g, b, w, S_in):
     """Chunk-local map with the entering state given: (o, S_out), all chunks in parallel."""
     G = ref.gate_cumsum(g)
     _, wk, u = ref.intra_chunk(k, v, b, w, G, dtype=cfg.dtype)
+    if cfg.qat is not None:
+        wk = cfg.qat.quantize_w(wk)
     kdec, decay_last = ref.decayed_keys(k, G)
     v_new = u - ref.mm("...chk,...hkv->...chv", wk, S_in, cfg.dtype)
     S_out = decay_last[..., None] * S_in + ref.mm("...chk,...chv->...hkv", kdec, v_new, cfg.dtype)
@@ -66,13 +73,15 @@ def chunked_core(cfg: ChunkConfig, q, k, v, g, b, w, h0, layout: ChunkLayout):
     Returns:
       o [L, NC, C, HV, V] f32, final state [N, HV, K, V] f32.
     """
-    o, final, _ = ref.chunk_forward(q, k, v, g, b, w, h0, layout, scale=cfg.scale, dtype=cfg.dtype)
+    o, final, _ = ref.chunk_forward(
+        q, k, v, g, b, w, h0, layout, scale=cfg.scale, dtype=cfg.dtype, qat=cfg.qat
+    )
     return o, final
 
 
 def _fwd(cfg, q, k, v, g, b, w, h0, layout):
     o, final, (G, A, S_in) = ref.chunk_forward(
-        q, k, v, g, b, w, h0, layout, scale=cfg.scale, dtype=cfg.dtype
+        q, k, v, g, b, w, h0, layout, scale=cfg.scale, dtype=cfg.dtype, qat=cfg.qat
     )
     G = checkpoint_name(G, remat.GDN_GATE_CUMSUM)
     A = checkpoint_name(A, remat.GDN_A)
@@ -88,6 +97,8 @@ def _bwd(cfg, res, cts):
     N = h0.shape[0]
     bk = b * k.astype(f32)
     wk = ref.mm("...hij,...jhk->...ihk", A, bk * jnp.exp(G))
+    if cfg.qat is not None:
+        wk = cfg.qat.quantize_w(wk)
     kdec, decay_last = ref.decayed_keys(k, G)
     # Output-side cotangents that do not depend on later chunks.
     qg = q.astype(f32) * jnp.exp(G)
@@ -122,7 +133,9 @@ def _bwd(cfg, res, cts):
 chunked_core.defvjp(_fwd, _bwd, optimize_remat=True)
 
 
-def chunked(q, k, v, g, b, w, *, scale, initial_state, use_qk_l2norm, cu_seqlens, chunk_size):
+def chunked(
+    q, k, v, g, b, w, *, scale, initial_state, use_qk_l2norm, cu_seqlens, chunk_size, qat=None
+):
     """The xla implementation on public layouts (validated, gates with trailing axes).
 
     Args:
@@ -135,6 +148,6 @@ def chunked(q, k, v, g, b, w, *, scale, initial_state, use_qk_l2norm, cu_seqlens
     chunks, h0, layout = ref.prepare(
         q, k, v, g, b, w, initial_state, use_qk_l2norm, cu_seqlens, chunk_size
     )
-    cfg = ChunkConfig(scale=float(scale), dtype=jnp.dtype(v.dtype).name)
+    cfg = ChunkConfig(scale=float(scale), dtype=jnp.dtype(v.dtype).name, qat=qat)
     o, final = chunked_core(cfg, *chunks, h0, layout)
     return from_chunks(o, layout, B, T).astype(v.dtype), final

@@ -21,6 +21,9 @@ Precision: gate cumsums, K Kᵀ products, the triangular solve, the state and ev
 f32. The operands of the products with the state and with ``v_new`` are rounded to the io dtype
 (as tensor-core operands are); with f32 inputs everything is f32 at HIGHEST precision.
 
+``qat`` (a :class:`gdn_jax.qat.QATConfig`) fake-quantises w and the state entering each chunk;
+this is the definition the xla and Pallas QAT paths are checked against.
+
 The public ``chunk_*`` functions here are differentiated by plain autodiff (they keep every
 intermediate); the trainable, memory-frugal path is ``implementation="xla"`` in ``gdn_jax.ops``,
 which reuses these stages under a ``custom_vjp``.
@@ -174,21 +177,25 @@ def chunk_step(S, wk, u, kdec, decay_last, *, dtype):
     return v_new, S_out
 
 
-def state_recurrence(wk, u, kdec, decay_last, h0, layout: ChunkLayout, *, dtype):
+def state_recurrence(wk, u, kdec, decay_last, h0, layout: ChunkLayout, *, dtype, qat=None):
     """Inter-chunk recurrence, sequential over the NC axis.
 
     Args:
       wk, kdec: [L, NC, C, HV, K]; u: [L, NC, C, HV, V]; decay_last: [L, NC, HV, Kg].
       h0: [N, HV, K, V] f32 initial states.
+      qat: optional :class:`gdn_jax.qat.QATConfig`; its state site fake-quantises the state
+        entering each chunk (used by the chunk's output and update).
     Returns:
-      S_in: [L, NC, HV, K, V] f32 state entering each chunk; v_new: [L, NC, C, HV, V] f32;
-      final: [N, HV, K, V] f32.
+      S_in: [L, NC, HV, K, V] f32 state entering each chunk (as used); v_new: [L, NC, C, HV, V]
+      f32; final: [N, HV, K, V] f32.
     """
     h0x = jnp.concatenate([h0, jnp.zeros_like(h0[:1])])  # row N serves padding chunks
 
     def body(S, x):
         wk_c, u_c, kdec_c, dl_c, first_c, seq_c = x
         S = jnp.where(first_c[:, None, None, None], h0x[seq_c], S)
+        if qat is not None:
+            S = qat.quantize_state(S)
         v_new, S_out = chunk_step(S, wk_c, u_c, kdec_c, dl_c, dtype=dtype)
         return S_out, (S, v_new, S_out)
 
@@ -225,8 +232,9 @@ def chunk_output(q, k, G, S_in, v_new, *, scale, dtype):
     return scale * (inter + intra)
 
 
-def chunk_forward(q, k, v, g, b, w, h0, layout: ChunkLayout, *, scale, dtype):
-    """All four stages on chunked inputs (see module docstring for shapes).
+def chunk_forward(q, k, v, g, b, w, h0, layout: ChunkLayout, *, scale, dtype, qat=None):
+    """All four stages on chunked inputs (see module docstring for shapes); ``qat`` optionally
+    fake-quantises w and the chunk-entering states (:mod:`gdn_jax.qat`).
 
     Returns:
       o [L, NC, C, HV, V] f32, final [N, HV, K, V] f32, and the stage intermediates
@@ -234,8 +242,10 @@ def chunk_forward(q, k, v, g, b, w, h0, layout: ChunkLayout, *, scale, dtype):
     """
     G = gate_cumsum(g)
     A, wk, u = intra_chunk(k, v, b, w, G, dtype=dtype)
+    if qat is not None:
+        wk = qat.quantize_w(wk)
     kdec, decay_last = decayed_keys(k, G)
-    S_in, v_new, final = state_recurrence(wk, u, kdec, decay_last, h0, layout, dtype=dtype)
+    S_in, v_new, final = state_recurrence(wk, u, kdec, decay_last, h0, layout, dtype=dtype, qat=qat)
     o = chunk_output(q, k, G, S_in, v_new, scale=scale, dtype=dtype)
     return o, final, (G, A, S_in)
 
@@ -278,13 +288,16 @@ def _chunk(
     use_qk_l2norm,
     cu_seqlens,
     chunk_size,
+    qat,
 ):
     B, T = q.shape[:2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     (qc, kc, vc, gc, bc, wc), h0, layout = prepare(
         q, k, v, g, b, w, initial_state, use_qk_l2norm, cu_seqlens, chunk_size
     )
-    o, final, _ = chunk_forward(qc, kc, vc, gc, bc, wc, h0, layout, scale=scale, dtype=v.dtype)
+    o, final, _ = chunk_forward(
+        qc, kc, vc, gc, bc, wc, h0, layout, scale=scale, dtype=v.dtype, qat=qat
+    )
     o = from_chunks(o, layout, B, T).astype(v.dtype)
     return o, (final if output_final_state else None)
 
@@ -302,13 +315,14 @@ def chunk_gated_delta_rule(
     use_qk_l2norm=False,
     cu_seqlens=None,
     chunk_size=64,
+    qat=None,
 ):
     """GDN in chunked form (scalar decay g [B, T, HV]). Shapes as ``gdn_jax.gated_delta_rule``."""
     beta = beta[..., None]
     return _chunk(
         q, k, v, g[..., None], beta, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
     )  # fmt: skip
 
 
@@ -325,13 +339,14 @@ def chunk_kda(
     use_qk_l2norm=False,
     cu_seqlens=None,
     chunk_size=64,
+    qat=None,
 ):
     """KDA in chunked form (channel decay g [B, T, HV, K]). Shapes as ``gdn_jax.kda``."""
     beta = beta[..., None]
     return _chunk(
         q, k, v, g, beta, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
     )  # fmt: skip
 
 
@@ -349,10 +364,11 @@ def chunk_gdn2(
     use_qk_l2norm=False,
     cu_seqlens=None,
     chunk_size=64,
+    qat=None,
 ):
     """GDN2 in chunked form (g, b [B, T, HV, K]; w [B, T, HV, V]). Shapes as ``gdn_jax.gdn2``."""
     return _chunk(
         q, k, v, g, b, w, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
     )  # fmt: skip

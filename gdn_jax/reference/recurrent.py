@@ -53,7 +53,20 @@ def _step(S, q, k, v, g, b, w, scale, io_dtype):
 
 
 def _recurrent(
-    q, k, v, g, b, w, *, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens
+    q,
+    k,
+    v,
+    g,
+    b,
+    w,
+    *,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm,
+    cu_seqlens,
+    qat=None,
+    chunk_size=64,
 ):
     """Shared recurrence. Shapes are the public ones with gates already given a trailing axis.
 
@@ -64,6 +77,10 @@ def _recurrent(
       cu_seqlens: [N + 1] int32 or None (then N = B).
     Returns:
       o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] f32 or None.
+
+    QAT: with ``qat`` (a :class:`gdn_jax.qat.QATConfig` whose only site is the state) the state
+    is fake-quantised before every ``chunk_size``-th token of each sequence, i.e. exactly the
+    state entering each chunk of the chunked form. The w site has no token-level meaning.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -77,28 +94,39 @@ def _recurrent(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
 
+    if qat is not None and "w" in qat.sites:
+        raise NotImplementedError("the token recurrence has no w; check the w site in chunk form")
+
+    def quantize_at_chunk_start(S, pos):
+        if qat is None:
+            return S
+        return jnp.where(pos % chunk_size == 0, qat.quantize_state(S), S)
+
     # time-major: [T, B, ...]
     xs = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, g, b, w))
+    t = jnp.arange(T, dtype=jnp.int32)
     if cu_seqlens is None:
 
         def body(S, x):
-            S, o = _step(S, *x, scale, io_dtype)
+            pos, xt = x
+            S, o = _step(quantize_at_chunk_start(S, pos), *xt, scale, io_dtype)
             return S, o
 
-        final, o = jax.lax.scan(body, h0, xs)
+        final, o = jax.lax.scan(body, h0, (t, xs))
     else:
         seq = sequence_ids(cu_seqlens, T)  # [T]
         starts = cu_seqlens[seq] == jnp.arange(T)
 
         def body(carry, x):
             S, finals = carry
-            t_seq, t_start, xt = x
+            t_seq, t_start, pos, xt = x
             S = jnp.where(t_start, h0[t_seq][None], S)
-            S, o = _step(S, *xt, scale, io_dtype)
+            S, o = _step(quantize_at_chunk_start(S, pos), *xt, scale, io_dtype)
             finals = finals.at[t_seq].set(S[0])
             return (S, finals), o
 
-        (_, final), o = jax.lax.scan(body, (h0[:1], h0), (seq, starts, xs))
+        pos = t - cu_seqlens[seq]
+        (_, final), o = jax.lax.scan(body, (h0[:1], h0), (seq, starts, pos, xs))
     o = jnp.swapaxes(o, 0, 1).astype(io_dtype)
     return o, (final if output_final_state else None)
 
@@ -120,12 +148,12 @@ def recurrent_gated_delta_rule(
     use_qk_l2norm=False,
     cu_seqlens=None,
     chunk_size=64,
+    qat=None,
 ):
     """GDN by its token recurrence (scalar decay per head). Shapes as ``gdn_jax.gated_delta_rule``.
 
-    ``chunk_size`` is accepted for a uniform signature and ignored.
+    ``chunk_size`` only matters with ``qat`` (the state is quantised every chunk_size tokens).
     """
-    del chunk_size
     beta = beta[..., None]
     return _recurrent(
         q,
@@ -139,6 +167,8 @@ def recurrent_gated_delta_rule(
         output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm,
         cu_seqlens=cu_seqlens,
+        qat=qat,
+        chunk_size=chunk_size,
     )
 
 
@@ -155,9 +185,9 @@ def recurrent_kda(
     use_qk_l2norm=False,
     cu_seqlens=None,
     chunk_size=64,
+    qat=None,
 ):
     """KDA by its token recurrence (channel decay g [B, T, HV, K]). Shapes as ``gdn_jax.kda``."""
-    del chunk_size
     beta = beta[..., None]
     return _recurrent(
         q,
@@ -171,6 +201,8 @@ def recurrent_kda(
         output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm,
         cu_seqlens=cu_seqlens,
+        qat=qat,
+        chunk_size=chunk_size,
     )
 
 
@@ -188,9 +220,9 @@ def recurrent_gdn2(
     use_qk_l2norm=False,
     cu_seqlens=None,
     chunk_size=64,
+    qat=None,
 ):
     """GDN2 by its token recurrence (g, b [B, T, HV, K]; w [B, T, HV, V]). Shapes as gdn2's."""
-    del chunk_size
     return _recurrent(
         q,
         k,
@@ -202,7 +234,9 @@ def recurrent_gdn2(
         initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens,
+        cu_seqlens=cu_seqlens,
+        qat=qat,
+        chunk_size=chunk_size,
     )
 
 

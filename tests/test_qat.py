@@ -1,0 +1,113 @@
+"""QAT: FP8 fake quantisation at the state and w sites of the chunked path."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from gdn_cases import CHUNK, OPS, RECURRENT, positional, value_and_grads
+
+from gdn_jax import qat
+from gdn_jax.testing import random_inputs, rel_rms
+
+XLA = dict(implementation="xla")
+
+
+@pytest.mark.parametrize("axes", [(-1,), (-2,), (-2, -1)])
+def test_fake_quant_matches_numpy_e4m3(axes):
+    x = np.random.default_rng(0).standard_normal((3, 16, 8)).astype(np.float32) * 7
+    x[0] = 0.0  # an all-zero group stays zero
+    amax = np.max(np.abs(x), axis=axes, keepdims=True)
+    safe = np.where(amax > 0, amax, 1.0).astype(np.float32)
+    inv_scale = np.where(amax > 0, np.float32(448.0) / safe, 1.0).astype(np.float32)
+    scale = np.where(amax > 0, safe * np.float32(1 / 448.0), 1.0).astype(np.float32)
+    want = (x * inv_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    got = np.asarray(qat.fake_quant(jnp.asarray(x), axes))
+    np.testing.assert_array_equal(got, want)
+    assert np.all(got[0] == 0) and np.all(np.isfinite(got))
+
+
+def test_fake_quant_gradient_is_straight_through():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8)), jnp.float32)
+    ct = jnp.asarray(np.random.default_rng(2).standard_normal((4, 8)), jnp.float32)
+    _, vjp = jax.vjp(lambda x: qat.fake_quant(x, (-1,)), x)
+    np.testing.assert_array_equal(np.asarray(vjp(ct)[0]), np.asarray(ct))
+
+
+def test_state_site_equals_recurrence_quantised_every_chunk():
+    """Exact reference: the token recurrence with the state fake-quantised every 64 tokens."""
+    cfg = qat.QATConfig(sites=("state",))
+    x = random_inputs(3, B=2, T=150, H=1, HV=2, K=16, V=16, variant="gdn")
+    args, h0 = positional(x, "gdn"), x["initial_state"]
+    kw = dict(use_qk_l2norm=True, qat=cfg)
+    (o_r, s_r), g_r = value_and_grads(RECURRENT["gdn"], args, h0, **kw)
+    (o, s), g = value_and_grads(OPS["gdn"], args, h0, **XLA, **kw)
+    assert rel_rms(o, o_r) <= 1e-5 and rel_rms(s, s_r) <= 1e-5
+    for a, b in zip(g, g_r, strict=True):
+        assert rel_rms(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["gdn", "gdn2"])
+@pytest.mark.parametrize("granularity", [("column", "row"), ("matrix", "tile")])
+def test_xla_matches_chunk_reference_with_both_sites(variant, granularity):
+    cfg = qat.QATConfig(state_granularity=granularity[0], w_granularity=granularity[1])
+    x = random_inputs(4, B=1, T=140, H=1, HV=2, K=16, V=8, variant=variant)
+    args, h0 = positional(x, variant), x["initial_state"]
+    kw = dict(use_qk_l2norm=True, qat=cfg)
+    (o_r, s_r), g_r = value_and_grads(CHUNK[variant], args, h0, **kw)
+    (o, s), g = value_and_grads(OPS[variant], args, h0, **XLA, **kw)
+    assert rel_rms(o, o_r) <= 1e-6 and rel_rms(s, s_r) <= 1e-6
+    for a, b in zip(g, g_r, strict=True):
+        assert rel_rms(a, b) <= 1e-5
+
+
+def test_enabling_changes_output_and_disabling_restores_it_bitwise():
+    x = random_inputs(5, B=1, T=130, H=1, HV=2, K=16, V=16, dtype=jnp.bfloat16)
+    args = positional(x, "gdn")
+    base, _ = OPS["gdn"](*args, use_qk_l2norm=True, **XLA)
+    off, _ = OPS["gdn"](*args, use_qk_l2norm=True, qat=None, **XLA)
+    np.testing.assert_array_equal(np.asarray(base), np.asarray(off))
+    for sites in (("state",), ("w",)):
+        on, _ = OPS["gdn"](*args, use_qk_l2norm=True, qat=qat.QATConfig(sites=sites), **XLA)
+        assert 0 < rel_rms(on, base) < 0.2, sites  # changed, but by FP8 rounding only
+
+
+def test_policy_last_match_wins_and_round_trips():
+    on = qat.QATConfig()
+    state_only = qat.QATConfig(sites=("state",), state_granularity="matrix")
+    policy = qat.QATPolicy(
+        (
+            qat.QATRule("layers.*", on),
+            qat.QATRule("layers.3.*", None),
+            qat.QATRule("layers.3.mixer", state_only),
+        )
+    )
+    assert policy.resolve("layers.0.mixer") == on
+    assert policy.resolve("layers.3.mlp") is None
+    assert policy.resolve("layers.3.mixer") == state_only
+    assert policy.resolve("embed") is None
+    again = qat.policy_from_json(qat.policy_to_json(policy))
+    assert again == policy
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(fmt="e5m2"), "fmt must be one of"),
+        (dict(sites=("state", "h")), "sites must be"),
+        (dict(state_granularity="row"), "state_granularity"),
+        (dict(w_granularity="column"), "w_granularity"),
+    ],
+)
+def test_bad_configs_are_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        qat.QATConfig(**kw)
+
+
+def test_unsupported_op_options_are_rejected():
+    x = random_inputs(6, B=1, T=20, H=1, HV=1, K=8, V=8)
+    args = positional(x, "gdn")
+    with pytest.raises(ValueError, match="chunk_size=64"):
+        OPS["gdn"](*args, chunk_size=32, qat=qat.QATConfig())
+    with pytest.raises(ValueError, match="QATConfig"):
+        OPS["gdn"](*args, qat={"sites": ["state"]})
