@@ -10,12 +10,12 @@ parallelism) needs the recurrent state to cross shard boundaries; two ways are o
   unsharded in time, and one all-to-all brings the output back to sequence sharding. Needs the
   head counts to divide by (head shards × context shards).
 - ``"state_passing"`` (LASP-2 style): the state at a segment's end is affine in the state at its
-  start, ``S_end = M S_start + c`` with ``M`` [K, K] per head. Each shard gets ``(c, M)`` from one
-  call of the op on augmented values ``[v | 0_K]`` started from ``[0 | I_K]`` (the last K value
-  channels then carry ``M``), all-gathers them over the context axis, composes the maps of the
-  shards before it (a prefix over the few context shards) to get its true initial state, and
-  reruns the op from it. Communication is one all-gather of ``K·(K+V)`` floats per head and
-  shard, independent of T; there is no constraint on head counts.
+  start, ``S_end = M S_start + c`` with ``M`` [K, K] per head. Each shard gets ``c`` from the op
+  started at zero and ``M`` from the op started at ``I_K`` with zero values (K value channels),
+  all-gathers ``(M, c)`` over the context axis, composes the maps of the shards before it (a
+  prefix over the few context shards) to get its true initial state, and reruns the op from it
+  (or, with ``rerun=False``, corrects the zero-start output linearly). Communication is one
+  all-gather of ``K·(K+V)`` floats per head and shard, independent of T; any head count works.
 
 Both are plain JAX programs around the public op, so the backward pass is JAX autodiff of the
 ``shard_map`` (the transposes of ``all_gather``/``all_to_all`` are ``psum_scatter``/``all_to_all``).
@@ -99,6 +99,11 @@ class ShardingConfig:
       context: a mesh axis that splits the sequence dimension T, or None.
       context_mode: ``"state_passing"`` (default; any head count) or ``"all_to_all"`` (needs H and
         HV divisible by the head shards times the context shards).
+      rerun: state passing only. True (default): rerun the op from each shard's true initial
+        state (three op calls per shard: the zero-start one, the K-channel one that gives the
+        state map, the rerun). False: add the initial state's contribution to the zero-start
+        output as a linear correction instead (two calls; the correction's operand is the op's
+        output in the io dtype, so bf16/f16 inputs are rounded once more).
     """
 
     mesh: Mesh
@@ -106,6 +111,7 @@ class ShardingConfig:
     heads: AxisNames = None
     context: str | None = None
     context_mode: ContextMode = "state_passing"
+    rerun: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "batch", _as_tuple(self.batch))
@@ -208,35 +214,37 @@ def _all_to_all_local(op, cfg: ShardingConfig, arrays, h0, *, output_final_state
 
 
 def _segment_map(op, arrays, *, kwargs):
-    """The affine map ``S ↦ M S + c`` of this shard's segment, from one call of ``op``.
+    """The affine map ``S ↦ M S + c`` of this shard's segment, and the outputs that go with it.
 
-    Values are augmented with K zero channels and the state starts at ``[0 | I_K]``, so the end
-    state is ``[c | M]``: ``c`` the end state from zero, ``M`` [B, HV, K, K] the state transition.
-    GDN2's write gate (the sixth array) covers the value channels and is padded with ones (any
-    value would do: it only multiplies the zero values).
+    Two calls of ``op`` with the shard's q, k and gates: from a zero state with the real values
+    (end state ``c``, output ``o_0``), and from ``I_K`` with zero values over K value channels
+    (end state ``M``, output ``o_M[t] = scale · M_tᵀ q_t`` with ``M_t`` the map up to token t).
+    The second call has value head dim K, so kernels that serve K serve it (one call on
+    ``[v | 0_K]`` from ``[0 | I_K]`` would need head dim V + K). GDN2's write gate (the sixth
+    array) only multiplies values, so ones serve for the zero values.
+
+    Returns:
+      M [B, HV, K, K] f32, c [B, HV, K, V] f32, o_0 [B, T, HV, V], o_M [B, T, HV, K] (io dtype).
     """
     q, k, v, *gates = arrays
-    B, T, HV, V = v.shape
+    B, T, HV, _ = v.shape
     K = q.shape[-1]
-    v_aug = jnp.concatenate([v, jnp.zeros((B, T, HV, K), v.dtype)], axis=-1)
+    o_0, c = op(*arrays, initial_state=None, output_final_state=True, **kwargs)
     if len(gates) == 3:
-        w = gates[2]
-        gates = [gates[0], gates[1], jnp.concatenate([w, jnp.ones((B, T, HV, K), w.dtype)], -1)]
+        gates = [gates[0], gates[1], jnp.ones((B, T, HV, K), gates[2].dtype)]
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
-    h_aug = jnp.concatenate([jnp.zeros((B, HV, K, V), jnp.float32), eye], axis=-1)
-    _, S = op(q, k, v_aug, *gates, initial_state=h_aug, output_final_state=True, **kwargs)
-    return S[..., V:], S[..., :V]
+    zeros = jnp.zeros((B, T, HV, K), v.dtype)
+    o_M, M = op(q, k, zeros, *gates, initial_state=eye, output_final_state=True, **kwargs)
+    return M, c, o_0, o_M
 
 
 def _state_passing_local(op, cfg: ShardingConfig, arrays, h0, *, output_final_state, kwargs):
-    """Per shard: segment map, all-gather + prefix combine, rerun from the true initial state."""
+    """Per shard: segment map, all-gather + prefix combine, then the output from the true start."""
     ax = cfg.context
-    v = arrays[2]
-    B, HV, V, K = v.shape[0], v.shape[2], v.shape[3], arrays[0].shape[-1]
-    M, c = _segment_map(op, arrays, kwargs=kwargs)
+    M, c, o_0, o_M = _segment_map(op, arrays, kwargs=kwargs)
     Ms = jax.lax.all_gather(M, ax)  # [n, B, HV, K, K]
     cs = jax.lax.all_gather(c, ax)  # [n, B, HV, K, V]
-    S = jnp.zeros((B, HV, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    S = jnp.zeros_like(c) if h0 is None else h0.astype(jnp.float32)
     # The state entering shard j is the composition of the maps of shards 0 … j−1 applied to h0.
     # The context axis is short, so an unrolled sequential prefix (n small K×K·K×V products,
     # redundantly on every shard) is cheaper than a parallel scan's extra work.
@@ -245,7 +253,14 @@ def _state_passing_local(op, cfg: ShardingConfig, arrays, h0, *, output_final_st
         starts.append(S)
         S = jnp.einsum("bhij,bhjv->bhiv", Ms[j], S, precision=jax.lax.Precision.HIGHEST) + cs[j]
     S_in = jnp.stack(starts)[jax.lax.axis_index(ax)]
-    o, _ = op(*arrays, initial_state=S_in, output_final_state=False, **kwargs)
+    if cfg.rerun:
+        o, _ = op(*arrays, initial_state=S_in, output_final_state=False, **kwargs)
+    else:
+        # S_t = M_t S_in + C_t, so o_t = o_0[t] + S_inᵀ (scale · M_tᵀ q_t) = o_0[t] + S_inᵀ o_M[t].
+        corr = jnp.einsum(
+            "bthk,bhkv->bthv", o_M.astype(jnp.float32), S_in, precision=jax.lax.Precision.HIGHEST
+        )
+        o = (o_0.astype(jnp.float32) + corr).astype(o_0.dtype)
     return (o, S) if output_final_state else o
 
 

@@ -95,12 +95,15 @@ def test_context_parallel(variant):
     op = OPS[variant]
     want = _value_and_grads(op, arrays, h0)
     mesh = sh.make_mesh("data=2,tensor=2,context=2")
-    for mode in sh.CONTEXT_MODES:
+    modes = [("all_to_all", True), ("state_passing", True)]
+    if variant == "gdn2":
+        modes.append(("state_passing", False))  # the linear output correction instead of a rerun
+    for mode, rerun in modes:
         cfg = sh.ShardingConfig(
-            mesh, batch="data", heads="tensor", context="context", context_mode=mode
+            mesh, batch="data", heads="tensor", context="context", context_mode=mode, rerun=rerun
         )
         got = _value_and_grads(sh.shard_op(op, cfg), arrays, h0)
-        _assert_close(got, want, f"{variant} {mode}")
+        _assert_close(got, want, f"{variant} {mode} {rerun=}")
         assert _has_spec(got[0], mesh, "data", "context", "tensor")
 
 
