@@ -38,6 +38,7 @@ __all__ = [
     "row_vec",
     "col_vec",
     "iota",
+    "load_tile",
     "to_wgmma",
     "bcast_rows",
     "bcast_cols",
@@ -158,6 +159,11 @@ def col_vec(ref, n: int) -> jax.Array:
     cannot carry both layouts (pitfall P5 in the Mosaic GPU notes).
     """
     return plgpu.load(ref.at[pl.ds(0, n)], layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def load_tile(ref) -> jax.Array:
+    """Loads a 2-D SMEM tile into registers in the WGMMA layout (an explicit layout anchor)."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
 
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:

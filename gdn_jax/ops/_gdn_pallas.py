@@ -26,6 +26,9 @@ from jax.ad_checkpoint import checkpoint_name
 from gdn_jax import remat
 from gdn_jax.reference._common import l2norm
 from pallas_kernels import _compat as pk
+from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
+from pallas_kernels.gdn.bwd_wy import bwd_wy
+from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig, chunk_bwd_dh
 from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 
@@ -43,10 +46,12 @@ class PallasConfig:
     Attributes:
       scale: query scale.
       mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
+      xla_tail: run the dq/dk/dw and WY backward stages in XLA instead of kernels (debugging).
     """
 
     scale: float
     mode: str = "auto"
+    xla_tail: bool = False
 
     def __post_init__(self):
         if not isinstance(self.scale, float):
@@ -106,13 +111,41 @@ def _core_bwd(cfg, res, cts):
     with _kernels(cfg):
         w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True))
         h, vn = chunk_fwd(None, k, w, u, G, h0, ChunkFwdConfig(scale=scale, store_h=True))
+        dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do.astype(dt), G, dht, ChunkBwdDhConfig(scale))
 
-    # ---- XLA part of the backward (per chunk, f32 math on 16-bit operands) ----
+    if cfg.xla_tail:
+        dq, dk, dv, dG, dbeta = _bwd_tail_xla(scale, q, k, v, G, beta, do, A, h, vn, dh_k, dv2_k)
+        return dq, dk, dv, dG, dbeta, dh0
+    with _kernels(cfg):
+        dq, dk_a, dw, dg_a, rs, hd = bwd_dqkw(
+            q, k, h, dh_k, vn, do.astype(dt), dv2_k, G, scale=scale
+        )
+        dk_b, dv, dbeta, dg_r, dg_c = bwd_wy(k, v, A, G, beta, dw, dv2_k)
+
+    def fold(x):  # [B, T, HV, K] -> [B, T, H, K], summing the value heads of a q/k head
+        return x.reshape(B, T, H, grp, K).sum(3) if grp > 1 else x
+
+    dq = fold(dq).astype(q.dtype)
+    dk = fold(dk_a + dk_b).astype(k.dtype)
+    # the chunk's last row also gets e^{G_last} <h, dh> + Σ_i Σ_k dk_state ⊙ k
+    Gl = G.reshape(B, HV, nt, CHUNK)[..., -1]
+    last = rs.reshape(B, HV, nt, CHUNK).sum(-1) + jnp.exp(Gl) * hd.sum(-1)
+    dG = (dg_a + dg_r - dg_c).reshape(B, HV, nt, CHUNK)
+    dG = dG.at[..., -1].add(last).reshape(B, HV, T)
+    return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0
+
+
+def _bwd_tail_xla(scale, q, k, v, G, beta, do, A, h, vn, dh_k, dv2_k):
+    """The dq/dk/dw and WY stages in XLA (debug/fallback path; the kernels replace it)."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    grp = HV // H
+    nt = T // CHUNK
+    dt = q.dtype
     rep = lambda x: jnp.repeat(x, grp, axis=2) if grp > 1 else x
     qc = _chunks(rep(q), nt).astype(f32)  # [B, HV, NT, C, K]
     kc = _chunks(rep(k), nt).astype(f32)
     vc = _chunks(v, nt).astype(f32)
-    wc = _chunks(w, nt).astype(f32)
     vnc = _chunks(vn, nt).astype(f32)
     Ac = _chunks(A, nt).astype(f32)  # [B, HV, NT, C, C]
     doc = _chunks(do.astype(dt), nt).astype(f32)
@@ -126,31 +159,9 @@ def _core_bwd(cfg, res, cts):
     gd = Gc[..., :, None] - Gc[..., None, :]  # G_i - G_j
     decay = jnp.where(causal, jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)  # [.., C, C] (i >= j)
 
-    # dv_local_i = scale Σ_{j>=i} (k_i·q_j) e^{G_j - G_i} do_j
-    kq = _mm("...ik,...jk->...ij", kc, qc) * jnp.swapaxes(decay, -1, -2)
-    dv_local = scale * _mm("...ij,...jv->...iv", kq, doc)
-    qg = qc * jnp.exp(Gc)[..., None]
+    dh = jnp.moveaxis(dh_k, 1, 2).astype(f32)  # [B, HV, NT, K, V] state gradient at chunk end
+    dv2 = _chunks(dv2_k, nt).astype(f32)  # [B, HV, NT, C, V] gradient of v_new
     e_state = jnp.exp(Gl[..., None] - Gc)[..., None]  # e^{G_last - G_i}
-
-    def step(dH, xs):
-        kc_, wc_, qg_, do_, dvl_, es_, gl_ = xs
-        dv2 = _mm("...ck,...kv->...cv", kc_, dH) * es_ + dvl_
-        dH_prev = (
-            dH * jnp.exp(gl_)[..., None, None]
-            + scale * _mm("...ck,...cv->...kv", qg_, do_)
-            - _mm("...ck,...cv->...kv", wc_, dv2)
-        )
-        return dH_prev, (dH, dv2)
-
-    mv = lambda x: jnp.moveaxis(x, 2, 0)
-    dh0, (dh, dv2) = lax.scan(
-        step,
-        dht.astype(f32),
-        (mv(kc), mv(wc), mv(qg), mv(doc), mv(dv_local), mv(e_state), mv(Gl)),
-        reverse=True,
-    )
-    dh = jnp.moveaxis(dh, 0, 2)  # [B, HV, NT, K, V] gradient of the state at the chunk's end
-    dv2 = jnp.moveaxis(dv2, 0, 2)  # [B, HV, NT, C, V]
 
     # dq, dk (output + state parts), dw
     ds = scale * _mm("...iv,...jv->...ij", doc, vnc) * decay
@@ -193,7 +204,7 @@ def _core_bwd(cfg, res, cts):
     dv = _unchunks(dv).astype(v.dtype)
     dG = dG.reshape(B, HV, T)
     dbeta = dbeta.reshape(B, HV, T)
-    return dq, dk, dv, dG, dbeta, dh0
+    return dq, dk, dv, dG, dbeta
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from pallas_kernels import _compat as pk
 
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 # every kernel must appear as a Mosaic GPU custom call in the lowered fwd+bwd
-KERNELS = ("gdn_intra", "gdn_chunk_fwd", "gdn_chunk_h")
+KERNELS = ("gdn_intra", "gdn_chunk_fwd", "gdn_chunk_h", "gdn_chunk_bwd_dh")
 
 
 def _loss_and_grads(fn, x, cu, dtype, cts, **kw):

@@ -1,0 +1,185 @@
+"""Backward stage: the reverse state-gradient recurrence, fused with the local dv.
+
+One CTA (one warpgroup) per (batch row, value head, 64-wide V block) runs over the chunks in
+reverse. dH [K, BV] (the gradient of the state at the end of the current chunk) stays in f32
+registers as the ``emit_pipeline`` carry, initialised with the final-state cotangent:
+
+    dh[c]  = dH                                                   (written, io dtype)
+    dv2    = (k dH) ⊙ e^{G_last − G} + scale (k qᵀ ⊙ e^{G_j − G_i} ⊙ [j ≥ i]) do    (= dL/dv_new)
+    dH     ← e^{G_last} dH + (scale q ⊙ e^{G})ᵀ do − wᵀ dv2
+
+Both products of the dH update accumulate into one wgmma accumulator: the scale is folded into
+the q operand and the sign into the stored −dv2 operand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+BIS = os.environ.get("BIS", "")
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels._compat import pl, plgpu
+
+CHUNK = 64
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkBwdDhConfig:
+    """Static configuration of :func:`chunk_bwd_dh`.
+
+    Attributes:
+      scale: the output scale used in the forward.
+      block_v: V columns per CTA.
+    """
+
+    scale: float = 1.0
+    block_v: int = 64
+
+    def __post_init__(self):
+        if self.block_v not in (64, 128):
+            raise ValueError(f"{self.block_v=} must be 64 or 128")
+        if not isinstance(self.scale, float):
+            raise TypeError(f"{self.scale=} must be a Python float")
+
+
+def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group: int, nt: int):
+    C, BV = CHUNK, cfg.block_v
+    iv = lax.axis_index("v")
+    hv = lax.axis_index("h")
+    b = lax.axis_index("b")
+    hk = hv // group
+    K = k_g.shape[-1]
+    dt = k_g.dtype
+    cols = pl.ds(iv * BV, BV)
+
+    def load_dht(st_s, bar):
+        plgpu.copy_gmem_to_smem(dht_g.at[b, hv, :, cols], st_s, bar)
+        plgpu.barrier_wait(bar)
+        return cp.to_wgmma(st_s[...])
+
+    dH0 = pl.run_scoped(load_dht, cp.smem((K, BV), f32), plgpu.Barrier())
+
+    def scoped(dh_s, p_s, qg_s, ndv_s, dv_s):
+        def step(idx, q_s, k_s, w_s, do_s, g_s, dH):
+            (i,) = idx
+            c = nt - 1 - i
+            slot = lax.rem(i, 2)
+            plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # stores of step i-2 left SMEM
+            dh_ref = dh_s.at[slot]
+            dh_ref[...] = dH.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dh_ref, dh_g.at[b, c, hv, :, cols])
+
+            row = cp.iota((C, C), 0)
+            col = cp.iota((C, C), 1)
+            upper = row <= col  # j >= i
+            g_r = cp.row_vec(g_s)
+            g_c = cp.col_vec(g_s, C)
+            g_last = g_s[C - 1]
+            gd = cp.bcast_cols(g_c, (C, C)) - cp.bcast_rows(g_r, (C, C))  # G_j - G_i
+            kq = cp.matmul(k_s, q_s.T, (C, C))
+            p = jnp.where(upper, kq * jnp.exp(jnp.where(upper, gd, 0.0)), 0.0) * cfg.scale
+            p_s[...] = p.astype(dt)
+            if BIS != "A":
+                qg = q_s[...].astype(f32) * cp.bcast_rows(cfg.scale * jnp.exp(g_r), (C, K))
+                qg_s[...] = qg.astype(dt)
+            plgpu.commit_smem()
+            dv2 = cp.matmul(k_s, dh_ref, (C, BV)) * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
+            if BIS != "C":
+                dv2 = dv2 + cp.matmul(p_s, do_s, (C, BV))
+            dv_ref = dv_s.at[slot]
+            dv_ref[...] = dv2.astype(dt) if BIS == "B" else dv2
+            ndv_s[...] = (-dv2).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dv_ref, dv2_g.at[b, pl.ds(c * C, C), hv, cols])
+
+            def upd(acc):
+                plgpu.wgmma(acc, qg_s.T, do_s)
+                plgpu.wgmma(acc, w_s.T, ndv_s)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+
+            return dH * jnp.exp(g_last) + pl.run_scoped(upd, plgpu.ACC((K, BV), f32))
+
+        rev = lambda i: nt - 1 - i
+        tile = lambda n: dict(dtype=dt, cols=n)
+        specs = [
+            cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hk, 0), **tile(K)),  # q
+            cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hk, 0), **tile(K)),  # k
+            cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hv, 0), **tile(K)),  # w
+            cp.block_spec((None, C, None, BV), lambda i: (b, rev(i), hv, iv), **tile(BV)),  # do
+            cp.block_spec((None, None, C), lambda i: (b, hv, rev(i))),  # G
+        ]
+        dH = plgpu.emit_pipeline(
+            step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=dH0
+        )(q_g, k_g, w_g, do_g, g_g)
+        plgpu.wait_smem_to_gmem(0)
+        return dH
+
+    dH = pl.run_scoped(
+        scoped,
+        cp.smem((2, K, BV), dt),
+        cp.smem((C, C), dt),
+        cp.smem((C, K), dt),
+        cp.smem((C, BV), dt),
+        cp.smem((2, C, BV), dt if BIS == "B" else f32),
+    )
+
+    def final(st_s):
+        st_s[...] = dH
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s, dh0_g.at[b, hv, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(final, cp.smem((K, BV), f32))
+
+
+def chunk_bwd_dh(
+    q: jax.Array,
+    k: jax.Array,
+    w: jax.Array,
+    do: jax.Array,
+    g_cum: jax.Array,
+    dht: jax.Array,
+    config: ChunkBwdDhConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reverse chunk loop of the backward.
+
+    Args:
+      q, k: [B, T, H, K]; w: [B, T, HV, K]; do: [B, T, HV, V] (all the io dtype); T % 64 == 0.
+      g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
+      dht: [B, HV, K, V] f32 cotangent of the final state.
+      config: :class:`ChunkBwdDhConfig`.
+    Returns:
+      dh [B, T/64, HV, K, V] (io dtype; gradient of the state at each chunk's end),
+      dv2 [B, T, HV, V] f32 (gradient of v_new; f32 because dβ is sensitive to its rounding), dh0 [B, HV, K, V] f32.
+    """
+    B, T, H, K = k.shape
+    HV, V = do.shape[2], do.shape[3]
+    if T % CHUNK or V % config.block_v:
+        raise ValueError(f"{k.shape=} {do.shape=}: T % 64 and V % block_v must be 0")
+    nt = T // CHUNK
+    out_type = (
+        jax.ShapeDtypeStruct((B, nt, HV, K, V), k.dtype),
+        jax.ShapeDtypeStruct((B, T, HV, V), k.dtype if BIS == "B" else f32),
+        jax.ShapeDtypeStruct((B, HV, K, V), f32),
+    )
+
+    def body(*refs):
+        _dh_body(*refs, cfg=config, group=HV // H, nt=nt)
+
+    fn = cp.kernel(
+        body,
+        out_type=out_type,
+        grid=(V // config.block_v, HV, B),
+        grid_names=("v", "h", "b"),
+        name="gdn_chunk_bwd_dh",
+    )
+    return fn(q, k, w, do, g_cum, dht)
