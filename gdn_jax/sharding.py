@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
     "ShardingConfig",
     "shard_op",
+    "shard_step",
     "parse_mesh",
     "make_mesh",
     "logical_axis_rules",
@@ -348,6 +349,45 @@ def shard_op(op: Callable, config: ShardingConfig) -> Callable:
             check_vma=False,
         )(*args)  # fmt: skip
         return out if output_final_state else (out, None)
+
+    return sharded
+
+
+def shard_step(op: Callable, config: ShardingConfig) -> Callable:
+    """Run a decode op (``gated_delta_rule_step``, ``kda_step``, ``gdn2_step``) per shard.
+
+    Decode is split over batch and heads only (``config.context`` must be None: the tokens of one
+    step are few and sequential). Layouts: inputs and o ``P(batch, None, heads, None)``, the
+    carried state (the last positional array) and the new state ``P(batch, heads, None, None)``.
+
+    Args:
+      op: the decode op.
+      config: mesh and the axes for B and heads.
+
+    Returns:
+      A function with the op's signature, ``(q, k, v, *gates, state, **keywords) -> (o, state)``.
+    """
+    if config._cp():
+        raise ValueError(
+            f"decode steps cannot be context-sharded (context axis {config.context!r} of size "
+            f"{config.context_size}); use a config without context for shard_step"
+        )
+
+    @functools.wraps(op)
+    def sharded(*arrays, **kw):
+        jax.eval_shape(lambda a: op(*a, **kw), arrays)  # the op's checks on global shapes
+        *tokens, state = arrays
+        q, v = tokens[0], tokens[2]
+        _check(config, q.shape[0], q.shape[1], q.shape[2], v.shape[2], None)
+        specs = [config.token_spec(x.ndim) for x in tokens] + [config.state_spec()]
+        args = [_reshard(config, x, sp) for x, sp in zip(arrays, specs, strict=True)]
+        return jax.shard_map(
+            lambda *a: op(*a, **kw),
+            mesh=config.mesh,
+            in_specs=tuple(specs),
+            out_specs=(config.token_spec(4), config.state_spec()),
+            check_vma=False,
+        )(*args)
 
     return sharded
 

@@ -118,6 +118,19 @@ def test_context_parallel_without_initial_state():
     assert rel_rms(o1, o0) < TOL and rel_rms(s1, s0) < TOL
 
 
+def test_decode_step_batch_and_heads():
+    x = random_inputs(1, variant="gdn2", B=2, T=3, H=2, HV=4, K=8, V=16)
+    args = [x[n] for n in ("q", "k", "v", "g", "b", "w", "initial_state")]
+    o0, s0 = gdn_jax.gdn2_step(*args, use_qk_l2norm=True)
+    mesh = sh.make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
+    step = sh.shard_step(gdn_jax.gdn2_step, sh.ShardingConfig(mesh, batch="data", heads="tensor"))
+    o1, s1 = jax.jit(lambda a: step(*a, use_qk_l2norm=True), compiler_options=FAST)(args)
+    assert rel_rms(o1, o0) < TOL and rel_rms(s1, s0) < TOL
+    assert _has_spec(s1, mesh, "data", "tensor")
+    with pytest.raises(ValueError, match="decode steps cannot be context-sharded"):
+        sh.shard_step(gdn_jax.gdn2_step, sh.ShardingConfig(mesh, context="tensor"))
+
+
 def test_errors_name_the_axis_and_counts():
     arrays, h0 = _arrays("gdn", B=2, T=32, H=2, HV=4, K=8, V=8)
     mesh = sh.make_mesh("data=2,tensor=4")
