@@ -156,22 +156,25 @@ class ShardingConfig:
         return P(_entry(self.batch), _entry(heads), None, None)
 
 
+def _describe(cfg: ShardingConfig, axes: tuple[str, ...]) -> str:
+    """``mesh axis 'tensor' of size 4`` / ``mesh axes ('data', 'fsdp') of size 4``."""
+    what = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
+    return f"{what} of size {cfg.size(axes)}"
+
+
 def _check(cfg: ShardingConfig, B, T, H, HV, cu_seqlens) -> None:
     """Divisibility checks with errors that name the mesh axis, its size and the counts."""
     nb, nh, nc = cfg.size(cfg.batch), cfg.size(cfg.heads), cfg.context_size
     if B % nb:
+        packed = cu_seqlens is not None
         raise ValueError(
-            f"batch mesh axes {cfg.batch} of size {nb} must divide the batch B={B}"
-            + (
-                "; packed sequences (cu_seqlens) have B == 1 and cannot be batch-sharded"
-                if cu_seqlens is not None
-                else ""
-            )  # fmt: skip
+            f"batch {_describe(cfg, cfg.batch)} must divide the batch B={B}"
+            + ("; packed sequences (cu_seqlens) have B == 1 and cannot be batch-sharded" * packed)
         )
     for name, n in (("H", H), ("HV", HV)):
         if n % nh:
             raise ValueError(
-                f"heads mesh axes {cfg.heads} of size {nh} must divide the head counts evenly "
+                f"heads {_describe(cfg, cfg.heads)} must divide the head counts evenly "
                 f"(H={H} q/k heads, HV={HV} value heads; both are split by the same factor so GVA "
                 f"groups stay together); {name}={n} is not a multiple of {nh}"
             )

@@ -135,7 +135,7 @@ def test_errors_name_the_axis_and_counts():
     arrays, h0 = _arrays("gdn", B=2, T=32, H=2, HV=4, K=8, V=8)
     mesh = sh.make_mesh("data=2,tensor=4")
     op = sh.shard_op(gdn_jax.gated_delta_rule, sh.ShardingConfig(mesh, heads="tensor"))
-    with pytest.raises(ValueError, match=r"\('tensor',\) of size 4.*H=2.*HV=4"):
+    with pytest.raises(ValueError, match=r"mesh axis 'tensor' of size 4 must divide.*H=2.*HV=4"):
         op(*arrays, implementation="xla")
     mesh = sh.make_mesh("tensor=2,context=4")
     cfg = sh.ShardingConfig(mesh, heads="tensor", context="context", context_mode="all_to_all")
