@@ -153,12 +153,15 @@ class ShortConv(nnx.Module):
         if C != self.channels:
             raise ValueError(f"{x.shape=}: expected {self.channels} channels")
         if tail is None:
-            tail = jnp.zeros((B, W - 1, C), x.dtype)
+            # pad (not concatenate with zeros) keeps x's sharding under explicit meshes.
+            xp = jnp.pad(x, ((0, 0), (W - 1, 0), (0, 0)))
         elif tail.shape != (B, W - 1, C):
             raise ValueError(f"{tail.shape=}: expected {(B, W - 1, C)}")
+        else:
+            xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)
         dtype = self.dtype or x.dtype
         w = self.weight[...].astype(jnp.float32)
-        xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1).astype(jnp.float32)
+        xp = xp.astype(jnp.float32)
         if cu_seqlens is not None:
             start = sequence_starts(cu_seqlens, T)
             t = jnp.arange(T)
