@@ -1,4 +1,4 @@
-"""GatedDeltaNet layer: shapes, dtypes, init, decode == prefill, packed == separate, Linen, sharding."""
+"""GatedDeltaNet: shapes, dtypes, init, decode == prefill, packed == separate, Linen, sharding."""
 
 import jax
 import jax.numpy as jnp

@@ -10,7 +10,7 @@ from gdn_jax.nn import GatedRMSNorm, RMSNorm, ShortConv
 
 
 def np_conv(x, w):
-    """Causal depthwise conv + SiLU: y[t] = silu(sum_j w[j] x[t - W + 1 + j]), x [T, C], w [W, C]."""
+    """Causal depthwise conv + SiLU: y[t] = silu(sum_j w[j] x[t - W + 1 + j]); x [T, C], w [W, C]"""
     W = w.shape[0]
     xp = np.concatenate([np.zeros((W - 1, x.shape[1])), x])
     y = sum(xp[j : j + len(x)] * w[j] for j in range(W))
