@@ -76,6 +76,15 @@ def test_batch_and_heads_gva():
     assert _has_spec(got[1], mesh, "data", "tensor")
 
 
+def test_sharding_keyword_of_the_ops():
+    """``sharding=`` on the public op is the same as wrapping it with ``shard_op``."""
+    arrays, h0 = _arrays("kda", B=2, T=24, H=2, HV=4, K=8, V=8)
+    want = _value_and_grads(gdn_jax.kda, arrays, h0)
+    cfg = sh.ShardingConfig(sh.make_mesh("data=2,tensor=2,context=2"), "data", "tensor", "context")
+    got = _value_and_grads(lambda *a, **kw: gdn_jax.kda(*a, sharding=cfg, **kw), arrays, h0)
+    _assert_close(got, want, "sharding keyword")
+
+
 def test_packed_sequences_head_sharded():
     arrays, h0 = _arrays("kda", B=1, T=50, H=2, HV=4, K=8, V=8)
     cu = jnp.asarray([0, 13, 13, 50], jnp.int32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,9 @@ from gdn_jax.ops import _validate as val
 from gdn_jax.ops import _xla
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference import recurrent as _rec
+
+if TYPE_CHECKING:
+    from gdn_jax.sharding import ShardingConfig
 
 __all__ = [
     "gated_delta_rule",
@@ -84,6 +88,13 @@ def _run(variant: str, implementation, run_xla: Callable, run_pallas: Callable):
     )
 
 
+def _sharded(op, sharding, arrays, **kw):
+    """Runs ``op`` per shard of ``sharding.mesh`` (see :func:`gdn_jax.sharding.shard_op`)."""
+    from gdn_jax.sharding import shard_op
+
+    return shard_op(op, sharding)(*arrays, **kw)
+
+
 def _pallas_has_no_qat(qat) -> None:
     if qat is not None:
         raise NotImplementedError("the Pallas kernels do not fuse QAT fake quantisation yet")
@@ -108,6 +119,7 @@ def gated_delta_rule(
     chunk_size: int = 64,
     implementation: str | Sequence[str] | None = None,
     qat: QATConfig | None = None,
+    sharding: ShardingConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gated DeltaNet (scalar decay per head), chunked and trainable.
 
@@ -127,6 +139,8 @@ def gated_delta_rule(
       implementation: None (best for the platform), "pallas", "xla", or a sequence tried in order.
       qat: optional :class:`gdn_jax.qat.QATConfig`: FP8 fake quantisation of the chunk-entering
         state and of w (needs chunk_size 64).
+      sharding: optional :class:`gdn_jax.sharding.ShardingConfig`: run per shard of a mesh
+        (batch, heads, context parallel) through ``shard_map``.
 
     Returns:
       o [B, T, HV, V] in v.dtype, and the final state [N, HV, K, V] f32 (None unless
@@ -135,6 +149,13 @@ def gated_delta_rule(
     Example:
       >>> o, s = gdn_jax.gated_delta_rule(q, k, v, g, beta, output_final_state=True)
     """
+    if sharding is not None:
+        return _sharded(
+            gated_delta_rule, sharding, (q, k, v, g, beta),
+            scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            implementation=implementation, qat=qat,
+        )  # fmt: skip
     B, T, H, HV, K, V, N = val.check_common(
         q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
     )
@@ -213,6 +234,7 @@ def kda(
     chunk_size: int = 64,
     implementation: str | Sequence[str] | None = None,
     qat: QATConfig | None = None,
+    sharding: ShardingConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Kimi Delta Attention: GDN with a decay per key channel, chunked and trainable.
 
@@ -230,6 +252,13 @@ def kda(
     B, T, H, HV, K, V, N = val.check_common(
         q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
     )
+    if sharding is not None:
+        return _sharded(
+            kda, sharding, (q, k, v, g, beta),
+            scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            implementation=implementation, qat=qat,
+        )  # fmt: skip
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("beta", beta, (B, T, HV))
     val.check_qat(qat, chunk_size)
@@ -257,6 +286,7 @@ def gdn2(
     chunk_size: int = 64,
     implementation: str | Sequence[str] | None = None,
     qat: QATConfig | None = None,
+    sharding: ShardingConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gated DeltaNet-2: channel decay, channel erase gate and channel write gate.
 
@@ -278,6 +308,13 @@ def gdn2(
     )
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("b", b, (B, T, HV, K))
+    if sharding is not None:
+        return _sharded(
+            gdn2, sharding, (q, k, v, g, b, w),
+            scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            implementation=implementation, qat=qat,
+        )  # fmt: skip
     val.check_gate("w", w, (B, T, HV, V))
     val.check_qat(qat, chunk_size)
     f = jnp.float32
