@@ -1,0 +1,243 @@
+"""Training equivalence of remat / host offload (and the harness the CPU test uses).
+
+Runs six optimizer steps of four micro-batches each of the hybrid LM with the same data and
+compares, bit for bit, the losses, the gradients of every step, and the final parameters and
+full optimizer state between:
+
+  (a) save    jitted step; each layer under jax.checkpoint, the named tensors saved on device
+  (b) offload the same step with the named tensors offloaded to pinned host memory
+  (c) remat   the same step with the named tensors recomputed
+  (d) nojit   step (a) run op by op, without jit
+
+(a) = (b) must hold exactly (moving bytes changes no bit) and (b) must really offload (the jaxpr
+is checked). (c) and (d) are compared bitwise and, where they differ, the largest relative
+difference is reported (XLA fuses recomputed or op-by-op code differently: rounding level).
+
+    python scripts/gpu_equivalence.py --preset qwen3_5_0_8b --seq 128 --fp8 none,native
+    python scripts/gpu_equivalence.py --preset tiny --layers 2 --seq 32      # CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gdn_jax import fp8, remat  # noqa: E402
+from gdn_jax.models import HybridLM, get_config  # noqa: E402
+
+STEPS, MICRO = 6, 4
+VARIANTS = ("save", "offload", "remat", "nojit")
+# variant -> action of every checkpoint name
+_ACTION = {"save": "save", "offload": "offload", "remat": "remat", "nojit": "save"}
+
+
+def forward(model: HybridLM, tokens: jax.Array, policies: Sequence[Callable | None]) -> jax.Array:
+    """``HybridLM.__call__`` for unpacked batches with layer ``i`` under ``jax.checkpoint`` with
+    ``policies[i]`` (None: no checkpoint). Logits [B, T, vocab] f32."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+    def run(layer, x, positions):
+        return layer(x, positions=positions, mask=None, cu_seqlens=None)
+
+    x = model.embed(tokens)
+    for layer, policy in zip(model.layers, policies, strict=True):
+        f = run if policy is None else nnx.remat(run, policy=policy, prevent_cse=True)
+        x = f(layer, x, positions)
+    x = model.norm(x)
+    c = model.config
+    logits = model.embed.attend(x) if c.tie_embeddings else model.lm_head(x)
+    return logits.astype(jnp.float32)
+
+
+@dataclasses.dataclass
+class Setup:
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    tx: optax.GradientTransformation
+    data: jax.Array  # [STEPS, MICRO, B, T + 1] int32
+    num_layers: int
+
+
+def make_setup(preset="tiny", *, layers=None, seq=32, batch=2, fp8_backend=None, seed=0,
+               implementation="xla", dtype=jnp.bfloat16, **overrides) -> Setup:  # fmt: skip
+    """Model (BF16 compute, f32 params; projections FP8 for ``fp8_backend``), AdamW, data."""
+    if layers is not None:
+        overrides["num_layers"] = layers
+    config = get_config(preset, **overrides)
+    model = HybridLM(config, implementation=implementation, dtype=dtype, rngs=nnx.Rngs(seed))
+    fp8.convert_projections(model, fp8_backend)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1))
+    key = jax.random.key(seed + 1)
+    data = jax.random.randint(key, (STEPS, MICRO, batch, seq + 1), 0, config.vocab_size)
+    return Setup(graphdef, params, tx, data, config.num_layers)
+
+
+def make_step(s: Setup, policies, *, scan: bool = True):
+    """One optimizer step over MICRO micro-batches (gradients summed in order, then averaged).
+
+    ``scan``: loop over the micro-batches with ``lax.scan`` (one compiled body; what a jitted
+    step does) or in Python (the op-by-op step).
+    """
+
+    def loss_fn(params, tokens):
+        model = nnx.merge(s.graphdef, params)
+        logits = forward(model, tokens[:, :-1], policies)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+    def micro(acc, tokens):
+        loss, g = jax.value_and_grad(loss_fn)(params_, tokens)
+        return jax.tree.map(jnp.add, acc, g), loss
+
+    def step(params, opt_state, batches):
+        nonlocal params_
+        params_ = params
+        acc = jax.tree.map(jnp.zeros_like, params)
+        if scan:
+            acc, losses = jax.lax.scan(micro, acc, batches)
+        else:
+            losses = []
+            for i in range(MICRO):
+                acc, loss = micro(acc, batches[i])
+                losses.append(loss)
+            losses = jnp.stack(losses)
+        grads = jax.tree.map(lambda g: g / MICRO, acc)
+        updates, opt_state = s.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses, grads
+
+    params_ = None
+    return step
+
+
+def policies_for(variant: str, num_layers: int, **kw):
+    spec = dict.fromkeys(remat.ALL_NAMES, _ACTION[variant])
+    return remat.layer_policies(spec, num_layers, **kw)
+
+
+def run_variant(
+    s: Setup, variant: str, *, steps: int = STEPS, compiler_options=None, **policy_kw
+) -> dict:
+    """``steps`` optimizer steps; returns losses [steps, MICRO], per-step grads, final params
+    and optimizer state, and the wall time (compile included)."""
+    jit = variant != "nojit"
+    step = make_step(s, policies_for(variant, s.num_layers, **policy_kw), scan=jit)
+    if jit:
+        step = jax.jit(step, compiler_options=compiler_options)
+    params, opt_state = s.params, s.tx.init(s.params)
+    losses, grads = [], []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        params, opt_state, loss, g = step(params, opt_state, s.data[i])
+        losses.append(loss)
+        grads.append(g)
+    jax.block_until_ready(params)
+    return dict(
+        losses=jnp.stack(losses), grads=grads, params=params, opt_state=opt_state,
+        seconds=time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+def offloaded(s: Setup, variant: str, **policy_kw) -> list[str]:
+    """Host-memory values in the jaxpr of one step (what the variant moves to the host)."""
+    step = make_step(s, policies_for(variant, s.num_layers, **policy_kw))
+    text = str(jax.make_jaxpr(step)(s.params, s.tx.init(s.params), s.data[0]))
+    return re.findall(r"\w+:(\w+<host>\[[\d,]*\]) = device_put", text)
+
+
+def _leaves(result: dict) -> list[np.ndarray]:
+    tree = (result["losses"], result["grads"], result["params"], result["opt_state"])
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def checksum(result: dict) -> str:
+    """sha256 (first 16 hex) over every bit of losses, grads, params and optimizer state."""
+    h = hashlib.sha256()
+    for x in _leaves(result):
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()[:16]
+
+
+def compare(a: dict, b: dict) -> tuple[bool, float]:
+    """(bitwise equal, largest relative difference of any leaf: ‖a − b‖∞ / ‖a‖∞)."""
+    worst, equal = 0.0, True
+    for x, y in zip(_leaves(a), _leaves(b), strict=True):
+        if x.dtype.kind not in "fc":
+            equal &= bool(np.array_equal(x, y))
+            continue
+        xb, yb = x.astype(np.float64), y.astype(np.float64)
+        equal &= x.tobytes() == y.tobytes()
+        scale = max(np.max(np.abs(xb)), 1e-30) if x.size else 1.0
+        worst = max(worst, float(np.max(np.abs(xb - yb)) / scale) if x.size else 0.0)
+    return equal, worst
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3_5_0_8b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--fp8", default="none,native", help="comma list of none, native, te")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--implementation", default="xla")
+    p.add_argument("--offload-threshold", type=int, default=0)
+    p.add_argument("--offload-fraction", type=float, default=1.0)
+    args = p.parse_args(argv)
+    # The core's residual names are only visible to policies without optimize_remat.
+    from gdn_jax.ops import _xla
+
+    _xla.chunked_core.optimize_remat = False
+    print(f"devices: {jax.devices()}  preset={args.preset} seq={args.seq} batch={args.batch}")
+    kw = dict(offload_fraction=args.offload_fraction, offload_threshold=args.offload_threshold)
+    ok = True
+    for backend in args.fp8.split(","):
+        be = None if backend == "none" else backend
+        try:
+            s = make_setup(
+                args.preset, layers=args.layers, seq=args.seq, batch=args.batch, fp8_backend=be,
+                implementation=args.implementation,
+            )  # fmt: skip
+        except fp8.TEUnavailableError as e:
+            print(f"fp8={backend}: not run ({e})")
+            continue
+        moved = offloaded(s, "offload", **kw)
+        print(f"fp8={backend}: offload variant moves {len(moved)} tensors to host: {moved[:4]}...")
+        ok &= bool(moved)
+        results = {}
+        for v in args.variants.split(","):
+            results[v] = run_variant(s, v, **kw)
+            r = results[v]
+            losses = np.asarray(r["losses"])
+            print(
+                f"  {v:8s} {checksum(r)}  loss[0]={losses[0, 0]:.6f} loss[-1]={losses[-1, -1]:.6f}"
+                f"  {r['seconds']:.1f}s"
+            )
+        ref = results.get("save")
+        for v, r in results.items():
+            if v == "save" or ref is None:
+                continue
+            equal, worst = compare(ref, r)
+            print(f"  save vs {v:8s}: bitwise={equal}  max rel diff={worst:.3g}")
+            if v == "offload":
+                ok &= equal
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Training with host offload is bitwise identical to training without it (CPU, tiny model).
+
+Six optimizer steps of four micro-batches each of a 2-layer hybrid LM (one GDN layer, one
+attention layer) in BF16 and with native FP8 projections, every layer under jax.checkpoint:
+
+  (a) the named tensors saved on the device    (b) offloaded to pinned host memory
+  (c) recomputed (remat)                        (d) step (a) run op by op, without jit
+
+(a) = (b) bit for bit in losses, every step's gradients, parameters and the full optimizer state,
+and (b) really offloads (its jaxpr copies the core's residuals to host memory). (c) = (a) bit for
+bit as well on XLA:CPU. (d) is not bitwise: op by op, every BF16 intermediate is rounded to BF16,
+while XLA's fused kernels keep elementwise chains in f32 and round once at the fusion output; so
+(d) is compared on the first optimizer step at BF16 rounding level (over six steps Adam's
+normalised updates carry such differences forward, so only the first step is a fair measure).
+The scripts/gpu_equivalence.py run does the same on the GPU at the qwen3_5_0_8b shape.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from test_remat import named_core_residuals  # noqa: F401  (fixture)
+
+from gdn_jax import remat
+from gdn_jax.testing import rel_rms
+
+_spec = importlib.util.spec_from_file_location(
+    "gpu_equivalence", Path(__file__).resolve().parents[1] / "scripts" / "gpu_equivalence.py"
+)
+ge = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_equivalence"] = ge  # dataclasses look their module up there
+_spec.loader.exec_module(ge)
+
+TINY = dict(
+    layers=2, seq=16, batch=1, hidden_size=32, intermediate_size=64, linear_head_dim=16,
+    linear_v_head_dim=16, attn_head_dim=16, vocab_size=64, full_attention_interval=2,
+)  # fmt: skip
+# Compile fast; all jitted variants share the options, so their bits stay comparable.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@pytest.mark.parametrize("backend", [None, "native"])
+def test_offload_remat_bitwise(backend, named_core_residuals):  # noqa: F811
+    s = ge.make_setup("tiny", fp8_backend=backend, **TINY)
+    # (b) really offloads: the core's three residuals of the GDN layer, each micro-batch.
+    moved = ge.offloaded(s, "offload")
+    assert len(moved) == len(remat.CORE_RESIDUALS), moved
+    assert any("<host>[1,1,2,16,16]" in m for m in moved)  # chunk states / A, [N,NC,HV,K,V]
+    assert ge.offloaded(s, "save") == [] and ge.offloaded(s, "remat") == []
+
+    results = {v: ge.run_variant(s, v, compiler_options=FAST) for v in ("save", "offload", "remat")}
+    a = results["save"]
+    assert np.asarray(a["losses"]).shape == (ge.STEPS, ge.MICRO)
+    assert np.all(np.isfinite(np.asarray(a["losses"])))
+    for v in ("offload", "remat"):
+        equal, worst = ge.compare(a, results[v])
+        assert equal, f"save vs {v}: max relative difference {worst}"
+        assert ge.checksum(results[v]) == ge.checksum(a)
+    # Training moved the parameters (the comparison is not between untouched states).
+    p0, p6 = jax.tree.leaves(s.params), jax.tree.leaves(a["params"])
+    assert any(not np.array_equal(x, y) for x, y in zip(p0, p6, strict=True))
+
+
+def test_nojit_at_rounding_level(named_core_residuals):  # noqa: F811
+    s = ge.make_setup("tiny", **TINY)
+    a = ge.run_variant(s, "save", steps=1, compiler_options=FAST)
+    d = ge.run_variant(s, "nojit", steps=1)
+    la, ld = np.asarray(a["losses"]), np.asarray(d["losses"])
+    # BF16 has 8 significant bits (eps 2^-8 = 3.9e-3): a loss is a mean over many roundings.
+    np.testing.assert_allclose(ld, la, rtol=2e-3)
+    for ga, gd in zip(jax.tree.leaves(a["grads"]), jax.tree.leaves(d["grads"]), strict=True):
+        assert rel_rms(gd, ga) < 2e-2  # a few BF16 roundings of relative size <= 2^-9
