@@ -1,0 +1,166 @@
+"""Step time and device memory of a hybrid-LM train step: BF16 vs FP8 projections, remat/offload.
+
+One AdamW step (forward, backward, update; parameters f32, compute BF16) of the chosen preset per
+setting. Memory comes from XLA's compiled memory analysis (device temp = activations, residuals
+and workspace; host temp = what offload parks in pinned host memory) plus the device's peak
+bytes in use; time is the median of ``--iters`` steps after a warm-up step. Settings run in
+order until ``--budget-s`` is spent; results go to a printed table and ``--json``.
+
+    python benchmarks/bench_model.py --preset qwen3_5_0_8b --batch 4 --seq 2048
+    python benchmarks/bench_model.py --preset tiny --layers 2 --seq 64 --iters 2   # CPU smoke
+
+Settings: ``<fp8>+<policy>``, fp8 in {bf16, native, te}, policy in {none (no checkpoint), save
+(every layer checkpointed, named tensors saved), offload (the GDN core's residuals offloaded),
+offloadall (every named tensor offloaded), remat (everything recomputed)}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from gdn_jax import fp8, remat  # noqa: E402
+from gdn_jax.models import HybridLM, get_config  # noqa: E402
+from gdn_jax.ops import _xla  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "gpu_equivalence", ROOT / "scripts/gpu_equivalence.py"
+)
+_ge = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_equivalence"] = _ge
+_spec.loader.exec_module(_ge)
+
+DEFAULT = "bf16+save,bf16+offload,native+save,native+offload,bf16+none,bf16+remat,te+save"
+
+# policy -> (action of the core residuals, action of the layer activations); None: no remat.
+_POLICIES = {
+    "none": None,
+    "save": ("save", "save"),
+    "offload": ("offload", "save"),
+    "offloadall": ("offload", "offload"),
+    "remat": ("remat", "remat"),
+}
+
+
+def _policies(name: str, num_layers: int, threshold: int, fraction: float):
+    actions = _POLICIES[name]
+    if actions is None:
+        return [None] * num_layers
+    spec = dict.fromkeys(remat.CORE_RESIDUALS, actions[0])
+    spec.update(dict.fromkeys(remat.LAYER_ACTIVATIONS, actions[1]))
+    return remat.layer_policies(
+        spec, num_layers, offload_fraction=fraction, offload_threshold=threshold
+    )
+
+
+def bench(setting: str, args) -> dict:
+    backend, policy = setting.split("+")
+    config = get_config(args.preset, **({"num_layers": args.layers} if args.layers else {}))
+    model = HybridLM(
+        config, implementation=args.implementation, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
+    fp8.convert_projections(model, None if backend == "bf16" else backend)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.adamw(1e-4)
+    opt_state = tx.init(params)
+    policies = _policies(policy, config.num_layers, args.offload_threshold, args.offload_fraction)
+    tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, 1000)
+
+    def loss_fn(params):
+        logits = _ge.forward(nnx.merge(graphdef, params), tokens[:, :-1], policies)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state).compile()
+    compile_s = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    params, opt_state, loss = compiled(params, opt_state)  # warm-up
+    jax.block_until_ready(loss)
+    times = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        params, opt_state, loss = compiled(params, opt_state)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    stats = jax.devices()[0].memory_stats() or {}
+    gib = 2.0**-30
+    return dict(
+        setting=setting,
+        step_ms=1e3 * float(np.median(times)),
+        compile_s=compile_s,
+        device_temp_gib=getattr(ma, "temp_size_in_bytes", 0) * gib,
+        device_args_gib=getattr(ma, "argument_size_in_bytes", 0) * gib,
+        host_temp_gib=getattr(ma, "host_temp_size_in_bytes", 0) * gib,
+        peak_in_use_gib=stats.get("peak_bytes_in_use", 0) * gib,
+        host_copies_S5=hlo.count("S(5)"),
+        fp8_ops=hlo.count("f8e4m3fn") + hlo.count("f8e5m2"),
+        cublaslt_fp8_gemms=hlo.count("cublas$lt$matmul$f8"),
+        loss=float(loss),
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3_5_0_8b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--settings", default=DEFAULT)
+    p.add_argument("--implementation", default="xla")
+    p.add_argument("--offload-threshold", type=int, default=0)
+    p.add_argument("--offload-fraction", type=float, default=1.0)
+    p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new settings")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    # Policies only see the core's residual names without optimize_remat (docs/fp8_remat.md).
+    _xla.chunked_core.optimize_remat = False
+    start = time.perf_counter()
+    rows = []
+    print(f"{jax.devices()[0].device_kind}: {args.preset} B={args.batch} T={args.seq}")
+    head = f"{'setting':16s} {'step ms':>8s} {'dev temp GiB':>12s} {'host temp GiB':>13s}"
+    print(
+        head + f" {'peak GiB':>9s} {'S(5)':>5s} {'f8 ops':>6s} {'f8 GEMMs':>8s} {'compile s':>9s}"
+    )
+    for setting in args.settings.split(","):
+        if time.perf_counter() - start > args.budget_s:
+            print(f"{setting:16s} skipped (budget)")
+            continue
+        try:
+            r = bench(setting, args)
+        except fp8.TEUnavailableError as e:
+            print(f"{setting:16s} not run: {str(e)[:100]}")
+            continue
+        rows.append(r)
+        print(
+            f"{setting:16s} {r['step_ms']:8.2f} {r['device_temp_gib']:12.3f} "
+            f"{r['host_temp_gib']:13.3f} {r['peak_in_use_gib']:9.2f} {r['host_copies_S5']:5d} "
+            f"{r['fp8_ops']:6d} {r['cublaslt_fp8_gemms']:8d} {r['compile_s']:9.1f}",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
