@@ -229,8 +229,8 @@ def _core(cfg: PallasConfig, q, k, v, G, beta, h0):
 def _unsupported(q, v, chunk_size) -> str | None:
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"{q.dtype=}: the Pallas kernels take bf16/f16 (f32 runs on 'xla')"
-    if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
-        return f"{q.shape=} {v.shape=}: the Pallas kernels need K, V in {{64, 128}}"
+    if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
+        return f"{q.shape=} {v.shape=}: the Pallas kernels need K == V in {{64, 128}}"
     if chunk_size != CHUNK:
         return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
     mode = pk.execution_mode()

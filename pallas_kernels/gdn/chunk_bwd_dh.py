@@ -15,9 +15,6 @@ the q operand and the sign into the stored −dv2 operand.
 from __future__ import annotations
 
 import dataclasses
-import os
-
-BIS = os.environ.get("BIS", "")
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +64,7 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
     dH0 = pl.run_scoped(load_dht, cp.smem((K, BV), f32), plgpu.Barrier())
 
     def scoped(dh_s, p_s, qg_s, ndv_s, dv_s):
-        def step(idx, q_s, k_s, w_s, do_s, g_s, dH):
+        def step(idx, q_s, k_s, w_s, do_s, g_s, g2_s, dH):
             (i,) = idx
             c = nt - 1 - i
             slot = lax.rem(i, 2)
@@ -81,21 +78,21 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
             col = cp.iota((C, C), 1)
             upper = row <= col  # j >= i
             g_r = cp.row_vec(g_s)
-            g_c = cp.col_vec(g_s, C)
+            # the column copy comes from a second SMEM buffer: inside the pipeline a second view
+            # of g_s gets CSE'd with the row load and no layout fits both (pitfall P5)
+            g_c = cp.col_vec(g2_s, C)
             g_last = g_s[C - 1]
             gd = cp.bcast_cols(g_c, (C, C)) - cp.bcast_rows(g_r, (C, C))  # G_j - G_i
             kq = cp.matmul(k_s, q_s.T, (C, C))
             p = jnp.where(upper, kq * jnp.exp(jnp.where(upper, gd, 0.0)), 0.0) * cfg.scale
             p_s[...] = p.astype(dt)
-            if BIS != "A":
-                qg = q_s[...].astype(f32) * cp.bcast_rows(cfg.scale * jnp.exp(g_r), (C, K))
-                qg_s[...] = qg.astype(dt)
+            qg = q_s[...].astype(f32) * cp.bcast_rows(cfg.scale * jnp.exp(g_r), (C, K))
+            qg_s[...] = qg.astype(dt)
             plgpu.commit_smem()
             dv2 = cp.matmul(k_s, dh_ref, (C, BV)) * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
-            if BIS != "C":
-                dv2 = dv2 + cp.matmul(p_s, do_s, (C, BV))
+            dv2 = dv2 + cp.matmul(p_s, do_s, (C, BV))
             dv_ref = dv_s.at[slot]
-            dv_ref[...] = dv2.astype(dt) if BIS == "B" else dv2
+            dv_ref[...] = dv2
             ndv_s[...] = (-dv2).astype(dt)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dv_ref, dv2_g.at[b, pl.ds(c * C, C), hv, cols])
@@ -115,11 +112,12 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
             cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hk, 0), **tile(K)),  # k
             cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hv, 0), **tile(K)),  # w
             cp.block_spec((None, C, None, BV), lambda i: (b, rev(i), hv, iv), **tile(BV)),  # do
-            cp.block_spec((None, None, C), lambda i: (b, hv, rev(i))),  # G
+            cp.block_spec((None, None, C), lambda i: (b, hv, rev(i))),  # G (rows)
+            cp.block_spec((None, None, C), lambda i: (b, hv, rev(i))),  # G (columns)
         ]
         dH = plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=dH0
-        )(q_g, k_g, w_g, do_g, g_g)
+        )(q_g, k_g, w_g, do_g, g_g, g_g)
         plgpu.wait_smem_to_gmem(0)
         return dH
 
@@ -129,7 +127,7 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
         cp.smem((C, C), dt),
         cp.smem((C, K), dt),
         cp.smem((C, BV), dt),
-        cp.smem((2, C, BV), dt if BIS == "B" else f32),
+        cp.smem((2, C, BV), f32),
     )
 
     def final(st_s):
@@ -159,7 +157,8 @@ def chunk_bwd_dh(
       config: :class:`ChunkBwdDhConfig`.
     Returns:
       dh [B, T/64, HV, K, V] (io dtype; gradient of the state at each chunk's end),
-      dv2 [B, T, HV, V] f32 (gradient of v_new; f32 because dβ is sensitive to its rounding), dh0 [B, HV, K, V] f32.
+      dv2 [B, T, HV, V] f32 (gradient of v_new; f32: dβ is sensitive to its rounding),
+      dh0 [B, HV, K, V] f32.
     """
     B, T, H, K = k.shape
     HV, V = do.shape[2], do.shape[3]
@@ -168,7 +167,7 @@ def chunk_bwd_dh(
     nt = T // CHUNK
     out_type = (
         jax.ShapeDtypeStruct((B, nt, HV, K, V), k.dtype),
-        jax.ShapeDtypeStruct((B, T, HV, V), k.dtype if BIS == "B" else f32),
+        jax.ShapeDtypeStruct((B, T, HV, V), f32),
         jax.ShapeDtypeStruct((B, HV, K, V), f32),
     )
 
