@@ -124,6 +124,9 @@ def bench_jax(s, impl, x) -> dict:
 
 def bench_stages(s, x) -> dict:
     """Per-kernel times of the pallas path (padded layout, T a multiple of 64)."""
+    from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
+    from pallas_kernels.gdn.bwd_wy import bwd_wy
+    from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig, chunk_bwd_dh
     from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
     from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 
@@ -141,21 +144,36 @@ def bench_stages(s, x) -> dict:
     fwd = jax.jit(lambda q, k, w, u, G, h0: chunk_fwd(q, k, w, u, G, h0, cfg))
     cfg_h = ChunkFwdConfig(scale=s.K**-0.5, store_h=True)
     hrec = jax.jit(lambda k, w, u, G, h0: chunk_fwd(None, k, w, u, G, h0, cfg_h))
+    _, _, A = intra_a(k, v, G, beta)
+    h, vn = hrec(k, w, u, G, h0)
+    do = jnp.asarray(x["do"], bf)
+    dht = jnp.zeros_like(h0)
+    dh_fn = jax.jit(
+        lambda q, k, w, do, G, dht: chunk_bwd_dh(q, k, w, do, G, dht, ChunkBwdDhConfig(s.K**-0.5))
+    )
+    dh, dv2, _ = dh_fn(q, k, w, do, G, dht)
+    dqkw = jax.jit(lambda *a: bwd_dqkw(*a, scale=s.K**-0.5))
+    dw = dqkw(q, k, h, dh, vn, do, dv2, G)[2]
+    wy = jax.jit(bwd_wy)
     return {
         "gdn_intra": time_jax(intra, (k, v, G, beta)),
         "gdn_intra(store_a)": time_jax(intra_a, (k, v, G, beta)),
         "gdn_chunk_fwd": time_jax(fwd, (q, k, w, u, G, h0)),
         "gdn_chunk_h": time_jax(hrec, (k, w, u, G, h0)),
+        "gdn_chunk_bwd_dh": time_jax(dh_fn, (q, k, w, do, G, dht)),
+        "gdn_bwd_dqkw": time_jax(dqkw, (q, k, h, dh, vn, do, dv2, G)),
+        "gdn_bwd_wy": time_jax(wy, (k, v, A, G, beta, dw, dv2)),
     }
 
 
 def bench_fla(s, x) -> dict:
     import fla.ops.common.chunk_o as fla_chunk_o
+    import fla.utils
     import torch
     import triton
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    patched = not fla_chunk_o.TRITON_ABOVE_3_7_1
+    patched = not fla.utils.TRITON_ABOVE_3_7_1  # the package-wide flag is never patched
     fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated bwd on Triton<3.7.1
     dev = "cuda"
     bf = torch.bfloat16

@@ -173,11 +173,11 @@ def test_not_implemented_without_gpu():
 
 
 GPU_CASES = [
-    # B, T, H, HV, cu_seqlens, dtype
-    (1, 8192, 16, 16, None, jnp.bfloat16),
+    # B, T, H, HV, cu_seqlens, dtype (cheapest first)
+    (2, 1000, 4, 8, None, jnp.float16),  # odd T, f16
     (2, 2048, 16, 32, None, jnp.bfloat16),
     (1, 4096, 16, 16, [0, 1000, 1000, 2500, 4096], jnp.bfloat16),  # packed, one empty
-    (2, 1000, 4, 8, None, jnp.float16),  # odd T, f16
+    (1, 8192, 16, 16, None, jnp.bfloat16),
 ]
 
 
@@ -206,5 +206,6 @@ def test_gpu_extreme_gates_finite(g_val, beta_val):
     got = _loss_and_grads(_pallas, x, cu, jnp.bfloat16, cts)
     for name, a in zip(NAMES, got, strict=True):
         assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), name
-    ref = _loss_and_grads(recurrent_gated_delta_rule, x, cu, jnp.float32, cts)
-    assert rel_rms(got[0], ref[0]) < 2e-2
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    ref, _ = recurrent_gated_delta_rule(*args, initial_state=x["initial_state"], use_qk_l2norm=True)
+    assert rel_rms(got[0], ref) < 2e-2
