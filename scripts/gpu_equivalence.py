@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import re
 import sys
 import time
@@ -197,7 +198,12 @@ def main(argv=None) -> int:
     p.add_argument("--implementation", default="xla")
     p.add_argument("--offload-threshold", type=int, default=0)
     p.add_argument("--offload-fraction", type=float, default=1.0)
+    p.add_argument("--nojit-steps", type=int, default=STEPS, help="steps of the op-by-op run")
+    p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new variants")
+    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    start = time.perf_counter()
+    report = []
     # The core's residual names are only visible to policies without optimize_remat.
     from gdn_jax.ops import _xla
 
@@ -220,7 +226,11 @@ def main(argv=None) -> int:
         ok &= bool(moved)
         results = {}
         for v in args.variants.split(","):
-            results[v] = run_variant(s, v, **kw)
+            if time.perf_counter() - start > args.budget_s:
+                print(f"  {v:8s} skipped (budget)")
+                continue
+            steps = args.nojit_steps if v == "nojit" else STEPS
+            results[v] = run_variant(s, v, steps=steps, **kw)
             r = results[v]
             losses = np.asarray(r["losses"])
             print(
@@ -231,10 +241,20 @@ def main(argv=None) -> int:
         for v, r in results.items():
             if v == "save" or ref is None:
                 continue
-            equal, worst = compare(ref, r)
+            if v == "nojit" and args.nojit_steps != STEPS:
+                ref_v = run_variant(s, "save", steps=args.nojit_steps, **kw)
+            else:
+                ref_v = ref
+            equal, worst = compare(ref_v, r)
             print(f"  save vs {v:8s}: bitwise={equal}  max rel diff={worst:.3g}")
+            report.append(
+                dict(fp8=backend, variant=v, bitwise=equal, max_rel_diff=worst,
+                     checksum=checksum(r), checksum_save=checksum(ref_v))
+            )  # fmt: skip
             if v == "offload":
                 ok &= equal
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), ok=ok, rows=report)))
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_remat import named_core_residuals  # noqa: F401  (fixture)
@@ -67,11 +68,23 @@ def test_offload_remat_bitwise(backend, named_core_residuals):  # noqa: F811
 
 
 def test_nojit_at_rounding_level(named_core_residuals):  # noqa: F811
+    """(d) vs (a) on the first step: both are BF16 runs of the same maths and are equally far
+    from the f32 run (op by op is as accurate as jitted), so their difference is BF16 rounding.
+    (In f32 compute the two agree to ~1e-7 in the loss and ~2e-6 in the gradients: XLA still
+    fuses and reorders, so not bitwise, but at f32 rounding level.)"""
     s = ge.make_setup("tiny", **TINY)
     a = ge.run_variant(s, "save", steps=1, compiler_options=FAST)
     d = ge.run_variant(s, "nojit", steps=1)
-    la, ld = np.asarray(a["losses"]), np.asarray(d["losses"])
+    r = ge.run_variant(ge.make_setup("tiny", dtype=jnp.float32, **TINY), "save", steps=1,
+                       compiler_options=FAST)  # fmt: skip
+    la, ld, lr = (np.asarray(x["losses"]) for x in (a, d, r))
     # BF16 has 8 significant bits (eps 2^-8 = 3.9e-3): a loss is a mean over many roundings.
     np.testing.assert_allclose(ld, la, rtol=2e-3)
-    for ga, gd in zip(jax.tree.leaves(a["grads"]), jax.tree.leaves(d["grads"]), strict=True):
-        assert rel_rms(gd, ga) < 2e-2  # a few BF16 roundings of relative size <= 2^-9
+    assert np.max(np.abs(ld - lr)) <= 2 * np.max(np.abs(la - lr)) + 1e-6
+
+    def flat(x):
+        return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(x)])
+
+    ga, gd, gr = flat(a["grads"]), flat(d["grads"]), flat(r["grads"])
+    assert rel_rms(gd, ga) < 3e-2
+    assert rel_rms(gd, gr) <= 2 * rel_rms(ga, gr)
