@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
 
+from gdn_jax import remat
 from gdn_jax.nn.layers import EMBED, HEADS, KV_HEADS, RMSNorm, dense
 
 __all__ = ["GatedAttention", "apply_rotary"]
@@ -109,4 +110,4 @@ class GatedAttention(nnx.Module):
         o = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, is_causal=mask is None)
         gate = jax.nn.sigmoid(self.gate_proj(x).astype(jnp.float32))
         o = (o.reshape(B, T, N * Dh).astype(jnp.float32) * gate).astype(o.dtype)
-        return self.o_proj(o)
+        return remat.name(self.o_proj(o), remat.MIXER_OUT)

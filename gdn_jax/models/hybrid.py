@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
 
+from gdn_jax import remat
 from gdn_jax.models.attention import GatedAttention
 from gdn_jax.nn.gated_deltanet import GatedDeltaNet, Variant
 from gdn_jax.nn.layers import EMBED, MLP, VOCAB, RMSNorm, dense, partitioned, sequence_starts
@@ -126,7 +127,8 @@ class SwiGLU(nnx.Module):
         self.down_proj = dense(intermediate_size, hidden_size, (MLP, EMBED), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = remat.name(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), remat.MLP_HIDDEN)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nnx.Module):

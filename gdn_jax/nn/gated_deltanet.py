@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
 
-from gdn_jax import ops
+from gdn_jax import ops, remat
 from gdn_jax.nn.layers import EMBED, HEADS, GatedRMSNorm, ShortConv, dense, partitioned
 
 __all__ = ["GatedDeltaNet", "GDNCache", "Variant"]
@@ -190,9 +190,10 @@ class GatedDeltaNet(nnx.Module):
 
     def _output(self, o: jax.Array, x: jax.Array) -> jax.Array:
         B, T = x.shape[:2]
+        o = remat.name(o, remat.GDN_CORE_OUT)
         z = self.z_proj(x).reshape(o.shape)
         y = self.norm(o, z).reshape(B, T, self.num_v_heads * self.v_head_dim)
-        return self.out_proj(y)
+        return remat.name(self.out_proj(y), remat.MIXER_OUT)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -209,9 +210,12 @@ class GatedDeltaNet(nnx.Module):
         q = self.q_conv(self.q_proj(x), cu_seqlens=cu_seqlens)
         k = self.k_conv(self.k_proj(x), cu_seqlens=cu_seqlens)
         v = self.v_conv(self.v_proj(x), cu_seqlens=cu_seqlens)
+        # Named so remat policies (gdn_jax.remat) can save, offload or recompute them.
+        qkv = remat.name(self._heads(q, k, v), remat.GDN_QKV)
+        gates = remat.name(self._gates(x), remat.GDN_GATES)
         o, _ = _OPS[self.variant][0](
-            *self._heads(q, k, v),
-            *self._gates(x),
+            *qkv,
+            *gates,
             use_qk_l2norm=self.use_qk_l2norm,
             cu_seqlens=cu_seqlens,
             chunk_size=self.chunk_size,
