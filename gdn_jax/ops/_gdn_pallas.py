@@ -20,7 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
@@ -36,7 +35,6 @@ __all__ = ["gated_delta_rule_pallas", "PallasConfig"]
 
 CHUNK = 64
 f32 = jnp.float32
-_HI = lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +44,10 @@ class PallasConfig:
     Attributes:
       scale: query scale.
       mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
-      xla_tail: run the dq/dk/dw and WY backward stages in XLA instead of kernels (debugging).
     """
 
     scale: float
     mode: str = "auto"
-    xla_tail: bool = False
 
     def __post_init__(self):
         if not isinstance(self.scale, float):
@@ -83,23 +79,9 @@ def _core_fwd(cfg, q, k, v, G, beta, h0):
     return (o, ht), (q, k, v, G, beta, h0)
 
 
-def _chunks(x, nt):
-    """[B, T, Hx, D] -> [B, Hx, NT, C, D]."""
-    B, T, Hx, D = x.shape
-    return x.reshape(B, nt, CHUNK, Hx, D).transpose(0, 3, 1, 2, 4)
-
-
-def _unchunks(x):
-    """[B, Hx, NT, C, D] -> [B, T, Hx, D]."""
-    B, Hx, nt, C, D = x.shape
-    return x.transpose(0, 2, 3, 1, 4).reshape(B, nt * C, Hx, D)
-
-
-def _mm(spec, a, b):
-    return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=_HI)
-
-
 def _core_bwd(cfg, res, cts):
+    # five launches: recompute (A, w, u), recompute (h, v_new), reverse dh loop with dv2,
+    # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces
     q, k, v, G, beta, h0 = res
     do, dht = cts
     B, T, H, K = q.shape
@@ -112,11 +94,6 @@ def _core_bwd(cfg, res, cts):
         w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True))
         h, vn = chunk_fwd(None, k, w, u, G, h0, ChunkFwdConfig(scale=scale, store_h=True))
         dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do.astype(dt), G, dht, ChunkBwdDhConfig(scale))
-
-    if cfg.xla_tail:
-        dq, dk, dv, dG, dbeta = _bwd_tail_xla(scale, q, k, v, G, beta, do, A, h, vn, dh_k, dv2_k)
-        return dq, dk, dv, dG, dbeta, dh0
-    with _kernels(cfg):
         dq, dk_a, dw, dg_a, rs, hd = bwd_dqkw(
             q, k, h, dh_k, vn, do.astype(dt), dv2_k, G, scale=scale
         )
@@ -133,78 +110,6 @@ def _core_bwd(cfg, res, cts):
     dG = (dg_a + dg_r - dg_c).reshape(B, HV, nt, CHUNK)
     dG = dG.at[..., -1].add(last).reshape(B, HV, T)
     return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0
-
-
-def _bwd_tail_xla(scale, q, k, v, G, beta, do, A, h, vn, dh_k, dv2_k):
-    """The dq/dk/dw and WY stages in XLA (debug/fallback path; the kernels replace it)."""
-    B, T, H, K = q.shape
-    HV = v.shape[2]
-    grp = HV // H
-    nt = T // CHUNK
-    dt = q.dtype
-    rep = lambda x: jnp.repeat(x, grp, axis=2) if grp > 1 else x
-    qc = _chunks(rep(q), nt).astype(f32)  # [B, HV, NT, C, K]
-    kc = _chunks(rep(k), nt).astype(f32)
-    vc = _chunks(v, nt).astype(f32)
-    vnc = _chunks(vn, nt).astype(f32)
-    Ac = _chunks(A, nt).astype(f32)  # [B, HV, NT, C, C]
-    doc = _chunks(do.astype(dt), nt).astype(f32)
-    Gc = G.reshape(B, HV, nt, CHUNK)
-    bc = beta.reshape(B, HV, nt, CHUNK)
-    hc = h.transpose(0, 2, 1, 3, 4).astype(f32)  # [B, HV, NT, K, V]
-    Gl = Gc[..., -1]  # [B, HV, NT]
-    i = jnp.arange(CHUNK)
-    causal = i[:, None] >= i[None, :]
-    strict = i[:, None] > i[None, :]
-    gd = Gc[..., :, None] - Gc[..., None, :]  # G_i - G_j
-    decay = jnp.where(causal, jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)  # [.., C, C] (i >= j)
-
-    dh = jnp.moveaxis(dh_k, 1, 2).astype(f32)  # [B, HV, NT, K, V] state gradient at chunk end
-    dv2 = _chunks(dv2_k, nt).astype(f32)  # [B, HV, NT, C, V] gradient of v_new
-    e_state = jnp.exp(Gl[..., None] - Gc)[..., None]  # e^{G_last - G_i}
-
-    # dq, dk (output + state parts), dw
-    ds = scale * _mm("...iv,...jv->...ij", doc, vnc) * decay
-    dq = scale * jnp.exp(Gc)[..., None] * _mm("...cv,...kv->...ck", doc, hc)
-    dq = dq + _mm("...ij,...jk->...ik", ds, kc)
-    dk_state = e_state * _mm("...cv,...kv->...ck", vnc, dh)
-    dk = dk_state + _mm("...ij,...ik->...jk", ds, qc)
-    dw = -_mm("...cv,...kv->...ck", dv2, hc)
-    dG = jnp.sum(dq * qc, -1) - jnp.sum(dk * kc, -1)
-    s_end = jnp.exp(Gl)[..., None, None] * hc + _mm("...ck,...cv->...kv", kc * e_state, vnc)
-    dG = dG.at[..., -1].add(jnp.sum(dh * s_end, (-1, -2)))
-
-    # WY backward: w = A diag(β e^G) k, u = A diag(β) v, A = (I + L)^-1
-    eg = jnp.exp(Gc)
-    kbg = kc * (bc * eg)[..., None]
-    vb = vc * bc[..., None]
-    dA = _mm("...ik,...jk->...ij", dw, kbg) + _mm("...iv,...jv->...ij", dv2, vb)
-    dkbg = _mm("...ji,...jk->...ik", Ac, dw)
-    dvb = _mm("...ji,...jv->...iv", Ac, dv2)
-    dk = dk + dkbg * (bc * eg)[..., None]
-    dbeta = jnp.sum(dkbg * kc * eg[..., None], -1) + jnp.sum(dvb * vc, -1)
-    dG = dG + jnp.sum(dkbg * kbg, -1)
-    dv = dvb * bc[..., None]
-    dL = -_mm("...ji,...jk->...ik", Ac, _mm("...ij,...kj->...ik", dA, Ac))  # -Aᵀ dA Aᵀ
-    E = jnp.where(strict, jnp.exp(jnp.where(strict, gd, 0.0)), 0.0)
-    kk = _mm("...ik,...jk->...ij", kc, kc)
-    dL = jnp.where(strict, dL, 0.0)
-    D = dL * bc[..., :, None] * E
-    dk = dk + _mm("...ij,...jk->...ik", D, kc) + _mm("...ij,...ik->...jk", D, kc)
-    dbeta = dbeta + jnp.sum(dL * kk * E, -1)
-    dLL = dL * kk * E * bc[..., :, None]
-    dG = dG + jnp.sum(dLL, -1) - jnp.sum(dLL, -2)
-
-    def fold(x):  # [B, HV, NT, C, K] -> [B, T, H, K], summing the value heads of a q/k head
-        x = _unchunks(x)
-        return x.reshape(B, T, H, grp, K).sum(3) if grp > 1 else x
-
-    dq = fold(dq).astype(q.dtype)
-    dk = fold(dk).astype(k.dtype)
-    dv = _unchunks(dv).astype(v.dtype)
-    dG = dG.reshape(B, HV, T)
-    dbeta = dbeta.reshape(B, HV, T)
-    return dq, dk, dv, dG, dbeta
 
 
 @functools.cache

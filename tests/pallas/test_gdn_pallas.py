@@ -209,3 +209,18 @@ def test_gpu_extreme_gates_finite(g_val, beta_val):
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     ref, _ = recurrent_gated_delta_rule(*args, initial_state=x["initial_state"], use_qk_l2norm=True)
     assert rel_rms(got[0], ref) < 2e-2
+
+
+def test_residual_named_for_remat_policies():
+    from gdn_jax import remat
+
+    x = random_inputs(0, B=1, T=64, H=1, HV=1, K=64, V=64)
+    args = [x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")] + [x["g"], x["beta"]]
+
+    def f(q, k, v, g, b):
+        return jnp.sum(_pallas(q, k, v, g, b)[0].astype(jnp.float32))
+
+    policy = jax.checkpoint_policies.save_only_these_names(remat.GDN_GATE_CUMSUM)
+    with pk.use_mode("gpu"):  # traced only, never run
+        jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=policy), argnums=range(5)))(*args)
+    assert remat.GDN_GATE_CUMSUM in str(jaxpr)
