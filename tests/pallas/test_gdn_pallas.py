@@ -94,6 +94,44 @@ def test_interpret_forward_and_grads(B, T, H, HV, cu):
             pk.reset_interpreter()
 
 
+def _check_packed_one_lane(B, T, H, HV, cu, dtype, seed=0):
+    """Packed sequences without initial/final states: the single-lane path (state wipe gate)."""
+    x = random_inputs(seed, B=B, T=T, H=H, HV=HV, K=x_K(T), V=x_K(T))
+    cu = jnp.asarray(cu, jnp.int32)
+    do = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x["v"].shape), jnp.float32)
+
+    def run(fn, dt):
+        def loss(q, k, v, g, b):
+            o, s = fn(q, k, v, g, b, cu_seqlens=cu, use_qk_l2norm=True)
+            assert s is None
+            return jnp.sum(o.astype(jnp.float32) * do), o
+
+        args = [x[n].astype(dt) for n in ("q", "k", "v")] + [x["g"], x["beta"]]
+        (_, o), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(*args)
+        return (o, *grads)
+
+    ref32 = run(recurrent_gated_delta_rule, jnp.float32)
+    ref_lo = run(recurrent_gated_delta_rule, dtype)
+    got = run(_pallas, dtype)
+    for name, a, b, r in zip(
+        ("o", "dq", "dk", "dv", "dg", "dbeta"), got, ref_lo, ref32, strict=True
+    ):
+        err, budget = rel_rms(a, r), rel_rms(b, r)
+        assert err <= 2 * budget + 1e-5, (name, err, budget)
+
+
+def x_K(T):  # head size of the packed tests: tiny on CPU, realistic on GPU
+    return 64 if T <= 256 else 128
+
+
+def test_interpret_packed_one_lane():
+    with pk.use_mode("interpret"):
+        try:
+            _check_packed_one_lane(1, 150, 1, 2, [0, 30, 30, 100, 150], jnp.bfloat16)
+        finally:
+            pk.reset_interpreter()
+
+
 def test_interpret_f16_forward():
     x, _, _ = _case(3, 1, 64, 1, 1, 64, 64, None)
     args = [x[n].astype(jnp.float16) for n in ("q", "k", "v")] + [x["g"], x["beta"]]
@@ -186,6 +224,12 @@ GPU_CASES = [
 def test_gpu_matches_reference(B, T, H, HV, cu, dtype):
     x, cu, cts = _case(7, B, T, H, HV, 128, 128, cu)
     _check_2x(x, cu, cts, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_one_lane():
+    cu = [0, 1000, 1000, 2500, 2501, 8192]  # with an empty and a one-token sequence
+    _check_packed_one_lane(1, 8192, 16, 32, cu, jnp.bfloat16, seed=3)
 
 
 @pytest.mark.gpu
