@@ -243,10 +243,9 @@ def main(argv=None):
                 row["pallas_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             print(name, "stages", json.dumps(row["pallas_stages_ms"]), flush=True)
         rows.append(row)
-
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        if a.json:  # rewritten after every shape, so a run cut short keeps what it measured
+            with open(a.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
     def ms(row, impl, key):
         v = row.get(impl, {}).get(key)
