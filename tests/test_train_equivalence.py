@@ -3,12 +3,14 @@
 Six optimizer steps of four micro-batches each of a 2-layer hybrid LM (one GDN layer, one
 attention layer) in BF16 and with native FP8 projections, every layer under jax.checkpoint:
 
-  (a) the named tensors saved on the device    (b) offloaded to pinned host memory
-  (c) recomputed (remat)                        (d) step (a) run op by op, without jit
+  (a) every named tensor saved on the device   (b) every named tensor offloaded to pinned host
+  (c) the GDN core's residuals recomputed      (d) step (a) run op by op, without jit
+  (c') every named tensor recomputed
 
 (a) = (b) bit for bit in losses, every step's gradients, parameters and the full optimizer state,
-and (b) really offloads (its jaxpr copies the core's residuals to host memory). (c) = (a) bit for
-bit as well on XLA:CPU. (d) is not bitwise: op by op, every BF16 intermediate is rounded to BF16,
+and (b) really offloads (its jaxpr copies the core's residuals and the layers' activations to host
+memory). (c) = (a) bit for bit as well on XLA:CPU; (c') is at BF16 rounding level (see below). (d)
+is not bitwise: op by op, every BF16 intermediate is rounded to BF16,
 while XLA's fused kernels keep elementwise chains in f32 and round once at the fusion output; so
 (d) is compared on the first optimizer step at BF16 rounding level (over six steps Adam's
 normalised updates carry such differences forward, so only the first step is a fair measure).
@@ -27,7 +29,6 @@ import numpy as np
 import pytest
 from test_remat import named_core_residuals  # noqa: F401  (fixture)
 
-from gdn_jax import remat
 from gdn_jax.testing import rel_rms
 
 _spec = importlib.util.spec_from_file_location(
@@ -43,25 +44,42 @@ TINY = dict(
 )  # fmt: skip
 # Compile fast; all jitted variants share the options, so their bits stay comparable.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_CACHE: dict = {}
 
 
 @pytest.mark.parametrize("backend", [None, "native"])
 def test_offload_remat_bitwise(backend, named_core_residuals):  # noqa: F811
     s = ge.make_setup("tiny", fp8_backend=backend, **TINY)
-    # (b) really offloads: the core's three residuals of the GDN layer, each micro-batch.
+    # (b) really offloads, per micro-batch: the GDN core's residuals (f32 gate cumsum
+    # [N, NC, C, HV, 1], A [N, NC, HV, C, C], chunk states [N, NC, HV, K, V]; one chunk of 64)
+    # and the layers' named activations (q, k, v, g, beta, core out, mixer outs, MLP hiddens).
     moved = ge.offloaded(s, "offload")
-    assert len(moved) == len(remat.CORE_RESIDUALS), moved
-    assert any("<host>[1,1,2,16,16]" in m for m in moved)  # chunk states / A, [N,NC,HV,K,V]
-    assert ge.offloaded(s, "save") == [] and ge.offloaded(s, "remat") == []
+    core = ["f32<host>[1,1,64,2,1]", "f32<host>[1,1,2,64,64]", "f32<host>[1,1,2,16,16]"]
+    assert all(c in moved for c in core), moved
+    assert moved.count("bf16<host>[1,16,2,16]") == 4  # q, k, v and the core output
+    assert len(moved) == 13, moved
+    assert ge.offloaded(s, "save") == []
 
-    results = {v: ge.run_variant(s, v, compiler_options=FAST) for v in ("save", "offload", "remat")}
+    variants = ("save", "offload", "remat", "rematall")
+    results = {v: ge.run_variant(s, v, compiler_options=FAST) for v in variants}
     a = results["save"]
+    _CACHE[backend] = a  # reused by the no-jit test
     assert np.asarray(a["losses"]).shape == (ge.STEPS, ge.MICRO)
     assert np.all(np.isfinite(np.asarray(a["losses"])))
+    # (b) and (c): the same bits.
     for v in ("offload", "remat"):
         equal, worst = ge.compare(a, results[v])
         assert equal, f"save vs {v}: max relative difference {worst}"
         assert ge.checksum(results[v]) == ge.checksum(a)
+    # Recomputing the named BF16 activations too lets XLA fuse them into their consumers
+    # without rounding them to BF16 first (saving materialises them in BF16): not bitwise, but
+    # at rounding level on the first step (same parameters). BF16: ~0.8 % relative RMS over all
+    # gradients. Native FP8: ~12 %, FP8 rounding level: an element whose input moved by a BF16
+    # rounding can land on the neighbouring e4m3/e5m2 value (2^-3 / 2^-2 apart), the same size
+    # as FP8 vs BF16 itself (tests/test_fp8.py allows 20 %).
+    loss_rel, grad_rel = ge.first_step_diff(a, results["rematall"])
+    assert loss_rel < 2e-3, loss_rel
+    assert grad_rel < (3e-2 if backend is None else 0.2), grad_rel
     # Training moved the parameters (the comparison is not between untouched states).
     p0, p6 = jax.tree.leaves(s.params), jax.tree.leaves(a["params"])
     assert any(not np.array_equal(x, y) for x, y in zip(p0, p6, strict=True))
@@ -73,11 +91,11 @@ def test_nojit_at_rounding_level(named_core_residuals):  # noqa: F811
     (In f32 compute the two agree to ~1e-7 in the loss and ~2e-6 in the gradients: XLA still
     fuses and reorders, so not bitwise, but at f32 rounding level.)"""
     s = ge.make_setup("tiny", **TINY)
-    a = ge.run_variant(s, "save", steps=1, compiler_options=FAST)
+    a = _CACHE.get(None) or ge.run_variant(s, "save", steps=1, compiler_options=FAST)
     d = ge.run_variant(s, "nojit", steps=1)
     r = ge.run_variant(ge.make_setup("tiny", dtype=jnp.float32, **TINY), "save", steps=1,
                        compiler_options=FAST)  # fmt: skip
-    la, ld, lr = (np.asarray(x["losses"]) for x in (a, d, r))
+    la, ld, lr = (np.asarray(x["losses"][0]) for x in (a, d, r))
     # BF16 has 8 significant bits (eps 2^-8 = 3.9e-3): a loss is a mean over many roundings.
     np.testing.assert_allclose(ld, la, rtol=2e-3)
     assert np.max(np.abs(ld - lr)) <= 2 * np.max(np.abs(la - lr)) + 1e-6
@@ -85,6 +103,6 @@ def test_nojit_at_rounding_level(named_core_residuals):  # noqa: F811
     def flat(x):
         return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(x)])
 
-    ga, gd, gr = flat(a["grads"]), flat(d["grads"]), flat(r["grads"])
+    ga, gd, gr = (flat(x["grads"][0]) for x in (a, d, r))
     assert rel_rms(gd, ga) < 3e-2
     assert rel_rms(gd, gr) <= 2 * rel_rms(ga, gr)
