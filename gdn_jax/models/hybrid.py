@@ -36,6 +36,7 @@ class HybridConfig:
       full_attention_interval: every n-th layer is softmax attention; 0 means GDN only.
       variant: GDN variant of the linear layers ("gdn", "kda", "gdn2").
       conv_kernel: short-conv taps of the GDN layers.
+      chunk_size: chunk length of the GDN layers' chunked core.
       norm_eps: epsilon of every RMSNorm.
       tie_embeddings: the LM head reuses the embedding matrix.
     """
@@ -56,6 +57,7 @@ class HybridConfig:
     full_attention_interval: int = 4
     variant: Variant = "gdn"
     conv_kernel: int = 4
+    chunk_size: int = 64
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
 
@@ -168,6 +170,7 @@ class DecoderLayer(nnx.Module):
                 v_head_dim=c.linear_v_head_dim,
                 variant=c.variant,
                 conv_kernel=c.conv_kernel,
+                chunk_size=c.chunk_size,
                 norm_eps=c.norm_eps,
                 implementation=implementation,
                 **kw,
