@@ -301,3 +301,28 @@ def test_te_dense_vs_bf16(recipe):
     assert jax.tree.leaves(params)
     if recipe == "delayed":
         assert jax.tree.leaves(meta)  # amax histories / scales come back as "gradients"
+
+
+def _model_wired() -> bool:
+    import inspect
+
+    from gdn_jax.models import HybridLM
+
+    return "fp8" in inspect.signature(HybridLM.__init__).parameters
+
+
+@pytest.mark.skipif(not _model_wired(), reason="HybridLM has no fp8 option yet")
+def test_model_fp8_option():
+    from gdn_jax.models import HybridLM, get_config
+
+    config = get_config(
+        "tiny", num_layers=2, full_attention_interval=2, hidden_size=32, intermediate_size=64
+    )
+    model = HybridLM(config, dtype=jnp.bfloat16, fp8="native", rngs=nnx.Rngs(0))
+    linears = [(p, m) for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Linear)]
+    assert len(linears) == 7 + 5 + 3 * 2 + 1  # GDN, attention, 2 MLPs, LM head
+    for path, lin in linears:
+        native = lin.dot_general is fp8.native_fp8_dot_general
+        assert native == ("lm_head" not in path), path
+    with pytest.raises(fp8.TEUnavailableError if not TE_OK else fp8.UnsupportedRecipeError):
+        HybridLM(config, fp8="te", fp8_recipe="mxfp8", rngs=nnx.Rngs(0))

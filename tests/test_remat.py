@@ -164,3 +164,35 @@ def test_optimize_remat_hides_names():
     jax.clear_caches()
     pol = remat.remat_policy(dict.fromkeys(remat.CORE_RESIDUALS, "offload"))
     assert host_shapes(_grad_jaxpr(_core_loss, pol, *_core_inputs())) == []
+
+
+def _model_wired() -> bool:
+    import inspect
+
+    from gdn_jax.models import HybridLM
+
+    return "remat_policies" in inspect.signature(HybridLM.__init__).parameters
+
+
+@pytest.mark.skipif(not _model_wired(), reason="HybridLM has no remat_policies option yet")
+@pytest.mark.parametrize("fraction, expected", [(0.0, 0), (0.5, 3), (1.0, 3)])
+def test_model_offload_fraction(fraction, expected, named_core_residuals):
+    """HybridLM(remat_policies=...): with 2 layers (GDN, attention) and the core's residuals
+    offloaded, fraction 0.5 offloads layer 0 (the GDN layer: 3 tensors), fraction 0 none."""
+    from flax import nnx
+
+    from gdn_jax.models import HybridLM, get_config
+
+    config = get_config(
+        "tiny", num_layers=2, full_attention_interval=2, hidden_size=32, intermediate_size=64
+    )
+    spec = remat.spec_from_flags("save", "core")
+    pols = remat.layer_policies(spec, 2, offload_fraction=fraction)
+    model = HybridLM(config, dtype=jnp.bfloat16, remat_policies=pols, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jnp.zeros((1, 16), jnp.int32)
+
+    def loss(params):
+        return nnx.merge(graphdef, params)(tokens).sum()
+
+    assert len(host_shapes(str(jax.make_jaxpr(jax.grad(loss))(params)))) == expected
