@@ -9,6 +9,7 @@ Layer ``i`` is softmax attention iff ``(i + 1) % full_attention_interval == 0`` 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,10 @@ from gdn_jax import remat
 from gdn_jax.models.attention import GatedAttention
 from gdn_jax.nn.gated_deltanet import GatedDeltaNet, Variant
 from gdn_jax.nn.layers import EMBED, MLP, VOCAB, RMSNorm, dense, partitioned, sequence_starts
+
+if TYPE_CHECKING:
+    from gdn_jax.qat import QATConfig
+    from gdn_jax.sharding import ShardingConfig
 
 __all__ = ["HybridConfig", "HybridLM", "SwiGLU", "DecoderLayer", "PRESETS", "get_config"]
 
@@ -142,6 +147,8 @@ class DecoderLayer(nnx.Module):
         layer_type: str,
         *,
         implementation: str | tuple[str, ...] | None = None,
+        qat: QATConfig | None = None,
+        sharding: ShardingConfig | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -173,6 +180,8 @@ class DecoderLayer(nnx.Module):
                 chunk_size=c.chunk_size,
                 norm_eps=c.norm_eps,
                 implementation=implementation,
+                qat=qat,
+                sharding=sharding,
                 **kw,
             )
         else:
@@ -196,6 +205,8 @@ class HybridLM(nnx.Module):
     Args:
       config: model shape (see :data:`PRESETS`).
       implementation: GDN core implementation (``None``: Pallas on Hopper GPUs, XLA elsewhere).
+      qat, sharding: passed to every GDN layer (see :class:`gdn_jax.nn.GatedDeltaNet`); a layer's
+        ``mixer.qat`` can also be set after construction to quantise only some layers.
       dtype: compute dtype (e.g. ``jnp.bfloat16``); param_dtype: parameter dtype.
       rngs: init randomness.
 
@@ -210,6 +221,8 @@ class HybridLM(nnx.Module):
         config: HybridConfig,
         *,
         implementation: str | tuple[str, ...] | None = None,
+        qat: QATConfig | None = None,
+        sharding: ShardingConfig | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -228,7 +241,10 @@ class HybridLM(nnx.Module):
             **kw,
         )
         self.layers = nnx.List(
-            [DecoderLayer(c, t, implementation=implementation, **kw) for t in config.layer_types]
+            [
+                DecoderLayer(c, t, implementation=implementation, qat=qat, sharding=sharding, **kw)
+                for t in config.layer_types
+            ]
         )
         self.norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
         if not c.tie_embeddings:

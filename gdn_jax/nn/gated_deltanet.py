@@ -15,7 +15,7 @@ Variants: ``"gdn"`` (one decay and one beta per value head), ``"kda"`` (decay pe
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,10 @@ from flax.typing import Dtype
 
 from gdn_jax import ops, remat
 from gdn_jax.nn.layers import EMBED, HEADS, GatedRMSNorm, ShortConv, dense, partitioned
+
+if TYPE_CHECKING:
+    from gdn_jax.qat import QATConfig
+    from gdn_jax.sharding import ShardingConfig
 
 __all__ = ["GatedDeltaNet", "GDNCache", "Variant"]
 
@@ -89,6 +93,8 @@ class GatedDeltaNet(nnx.Module):
       use_qk_l2norm: L2-normalise q and k inside the core op (Qwen does).
       chunk_size: chunk length of the chunked core.
       implementation: passed to the core op (``None`` = Pallas on Hopper GPUs, ``"xla"`` elsewhere).
+      qat: optional :class:`gdn_jax.qat.QATConfig` for the chunked core (FP8 fake quantisation).
+      sharding: optional :class:`gdn_jax.sharding.ShardingConfig`: the chunked core runs per shard.
       a_log_range: A = exp(A_log) is drawn from U(a_log_range) at init.
       dt_range: softplus(dt_bias) is drawn log-uniformly from this range at init.
       dtype: compute dtype of projections, conv and core inputs (None: inferred from inputs and
@@ -116,6 +122,8 @@ class GatedDeltaNet(nnx.Module):
         use_qk_l2norm: bool = True,
         chunk_size: int = 64,
         implementation: str | tuple[str, ...] | None = None,
+        qat: QATConfig | None = None,
+        sharding: ShardingConfig | None = None,
         a_log_range: tuple[float, float] = (1.0, 16.0),
         dt_range: tuple[float, float] = (1e-3, 0.1),
         dtype: Dtype | None = None,
@@ -138,6 +146,8 @@ class GatedDeltaNet(nnx.Module):
         self.use_qk_l2norm = use_qk_l2norm
         self.chunk_size = chunk_size
         self.implementation = implementation
+        self.qat = qat
+        self.sharding = sharding
         self.dtype = dtype
 
         D, H, K, HV, V = hidden_size, num_heads, head_dim, num_v_heads, v_head_dim
@@ -188,6 +198,16 @@ class GatedDeltaNet(nnx.Module):
         H, K, HV, V = self.num_heads, self.head_dim, self.num_v_heads, self.v_head_dim
         return q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
 
+    def _core_options(self) -> dict:
+        # Only non-default options are passed, so the chunked op can be swapped for any callable
+        # with the gated_delta_rule signature.
+        opts = dict(chunk_size=self.chunk_size, implementation=self.implementation)
+        if self.qat is not None:
+            opts["qat"] = self.qat
+        if self.sharding is not None:
+            opts["sharding"] = self.sharding
+        return opts
+
     def _output(self, o: jax.Array, x: jax.Array) -> jax.Array:
         B, T = x.shape[:2]
         o = remat.name(o, remat.GDN_CORE_OUT)
@@ -218,8 +238,7 @@ class GatedDeltaNet(nnx.Module):
             *gates,
             use_qk_l2norm=self.use_qk_l2norm,
             cu_seqlens=cu_seqlens,
-            chunk_size=self.chunk_size,
-            implementation=self.implementation,
+            **self._core_options(),
         )
         return self._output(o, x)
 
@@ -268,8 +287,7 @@ class GatedDeltaNet(nnx.Module):
                 initial_state=cache.state,
                 output_final_state=True,
                 use_qk_l2norm=self.use_qk_l2norm,
-                chunk_size=self.chunk_size,
-                implementation=self.implementation,
+                **self._core_options(),
             )
         new_cache = GDNCache(
             conv_q=self.q_conv.next_tail(xq, cache.conv_q),

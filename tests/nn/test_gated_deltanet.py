@@ -118,6 +118,17 @@ def test_gradients_reach_every_parameter():
         assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0, path
 
 
+def test_qat_reaches_the_core():
+    from gdn_jax.qat import QATConfig
+
+    layer = make("gdn", chunk_size=64)  # QAT is defined for 64-token chunks
+    x = rand((1, 130, D))
+    plain = run(layer, x)
+    layer.qat = QATConfig()
+    quantised = run(layer, x)
+    assert 0 < max_err(plain, quantised) < 0.1 * float(jnp.abs(plain).max())
+
+
 def test_linen_adapter_matches_nnx():
     kw = dict(num_heads=2, head_dim=8, num_v_heads=4, v_head_dim=6, chunk_size=16)
     x = rand((2, 10, D))
