@@ -176,7 +176,7 @@ def gated_delta_rule(
         _pallas_has_no_qat(qat)
         return fn(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+            output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         )  # fmt: skip
 
@@ -209,7 +209,7 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
         _pallas_has_no_qat(qat)
         return fn(
             q, k, v, g, b, w, scale=scale, initial_state=initial_state,
-            output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+            output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         )  # fmt: skip
 

@@ -132,8 +132,10 @@ def _core(cfg: PallasConfig, q, k, v, G, beta, h0):
 
 
 def _unsupported(q, v, chunk_size) -> str | None:
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"{q.dtype=}: the Pallas kernels take bf16/f16 (f32 runs on 'xla')"
+    if q.dtype != jnp.bfloat16:
+        # f16 would stage the f32 state as an f16 tensor-core operand (max 65504): DESIGN §3
+        # forbids it, so f16 (like f32) runs on "xla" until the kernels take bf16 state operands.
+        return f"{q.dtype=}: the Pallas kernels take bf16 (f16 and f32 run on 'xla')"
     if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
         return f"{q.shape=} {v.shape=}: the Pallas kernels need K == V in {{64, 128}}"
     if chunk_size != CHUNK:
