@@ -206,6 +206,10 @@ def main(argv: list[str] | None = None) -> dict:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, dict(params=params, opt=opt_state))
         restored = manager.restore(start, args=ocp.args.StandardRestore(target))
         params, opt_state = restored["params"], restored["opt"]
+    elif not args.resume:
+        # A fresh run in the same folder replaces the old run's checkpoints.
+        for old in manager.all_steps():
+            manager.delete(old)
 
     def save(step):
         manager.save(step, args=ocp.args.StandardSave(dict(params=params, opt=opt_state)))
