@@ -530,6 +530,9 @@ class TEDense(nnx.Module):
         self.inner = nnx.bridge.ToNNX(module, rngs=rngs)
         with te_autocast(self.recipe):
             nnx.bridge.lazy_init(self.inner, jnp.zeros((1, in_features), dtype or param_dtype))
+        # Applying needs no randomness; dropping the bridge's Rngs keeps the module's state to
+        # Param (+ FP8Meta), which is what train steps split.
+        self.inner.to_nnx__rngs = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., in] -> [..., out] in the compute dtype (TE's autocast is entered here)."""

@@ -326,3 +326,110 @@ def test_model_fp8_option():
         assert native == ("lm_head" not in path), path
     with pytest.raises(fp8.TEUnavailableError if not TE_OK else fp8.UnsupportedRecipeError):
         HybridLM(config, fp8="te", fp8_recipe="mxfp8", rngs=nnx.Rngs(0))
+
+
+def test_native_lowers_to_fp8_dots_for_cuda():
+    """The CUDA lowering (made on this CPU) holds e4m3 x e4m3 and e5m2 x e4m3 dot_generals with
+    f32 results: the form XLA's GPU compiler turns into cuBLASLt FP8 GEMMs."""
+    x, w = _xw(jnp.bfloat16)
+    loss = lambda a, b: fp8.native_fp8_dot_general(a, b, DN).astype(jnp.float32).sum()
+    f = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert any("f8E4M3FN" in d and "f8E5M2" not in d and "-> tensor<" in d for d in dots), dots
+    assert sum("f8E5M2" in d and "f8E4M3FN" in d for d in dots) == 2, dots
+
+
+# -- the TE backend's glue, against a stand-in for TE ----------------------------------------
+
+
+@pytest.fixture
+def stand_in_te(monkeypatch, fake_te):
+    """TE-JAX replaced by a minimal stand-in with TE's interfaces: a Linen ``DenseGeneral`` whose
+    delayed-scaling metadata (collection ``fp8_metas``) comes back updated as its gradient, and
+    the recipe classes. Checks our bridging (NNX state, autocast, metadata update) on a CPU."""
+    from flax import linen
+
+    te, cfg = fake_te
+
+    @jax.custom_vjp
+    def dense_with_history(x, kernel, hist):
+        return x @ kernel
+
+    def fwd(x, kernel, hist):
+        return x @ kernel, (x, kernel, hist)
+
+    def bwd(res, g):
+        x, kernel, hist = res
+        # TE's convention: the "gradient" of the metadata is its updated value.
+        new_hist = jnp.roll(hist, 1).at[0].set(jnp.max(jnp.abs(x)).astype(hist.dtype))
+        return g @ kernel.T, jnp.einsum("...i,...o->io", x, g), new_hist
+
+    dense_with_history.defvjp(fwd, bwd)
+
+    class DenseGeneral(linen.Module):
+        features: int
+        use_bias: bool = True
+        kernel_init: object = linen.initializers.lecun_normal()
+        kernel_axes: tuple = ()
+        dtype: object = jnp.float32
+
+        @linen.compact
+        def __call__(self, x):
+            assert cfg.INITIALIZED, "TE modules run under autocast"
+            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+            hist = self.variable("fp8_metas", "x_amax_history", jnp.zeros, (4,), jnp.float32)
+            return dense_with_history(x, kernel.astype(x.dtype), hist.value)
+
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+    for name in ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling"):
+        setattr(recipe, name, type(name, (), {"__init__": lambda self, **kw: None}))
+    recipe.Format = types.SimpleNamespace(HYBRID="HYBRID")
+    te_flax = types.ModuleType("transformer_engine.jax.flax")
+    te_flax.DenseGeneral = DenseGeneral
+    te.flax = te_flax
+    root, common = (
+        types.ModuleType("transformer_engine"),
+        types.ModuleType("transformer_engine.common"),
+    )
+    root.jax, root.common, common.recipe = te, common, recipe
+    for mod in (root, common, recipe, te_flax):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(fp8, "_gpu_capability", lambda: (9.0, "NVIDIA H200"))
+    return cfg
+
+
+def test_te_glue_with_stand_in(stand_in_te):
+    cfg = stand_in_te
+    assert fp8.te_available() == (True, "")
+    with pytest.raises(fp8.UnsupportedRecipeError, match="MXFP8BlockScaling.*NVIDIA H200"):
+        fp8.make_recipe("mxfp8")
+    x, w = _xw(jnp.bfloat16)
+    layer = fp8.TEDense(32, 48, recipe="delayed", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert not cfg.INITIALIZED  # autocast left as it was found
+    layer.inner.kernel[...] = w.astype(jnp.float32)
+    np.testing.assert_allclose(layer(x), x @ w, rtol=1e-2)
+    graphdef, params, meta = nnx.split(layer, nnx.Param, fp8.FP8Meta)
+    assert [v.shape for v in jax.tree.leaves(meta)] == [(4,)]
+
+    @jax.jit
+    def step(params, meta):
+        def loss(params, meta):
+            return nnx.merge(graphdef, params, meta)(x).astype(jnp.float32).sum()
+
+        grads = jax.grad(loss, argnums=(0, 1))(params, meta)
+        return fp8.split_fp8_meta_grads(nnx.merge_state(*grads))
+
+    param_grads, new_meta = step(params, meta)
+    assert jax.tree.leaves(param_grads)[0].shape == (32, 48)
+    hist = jax.tree.leaves(new_meta)[0]
+    assert float(hist[0]) == float(jnp.max(jnp.abs(x)))  # the train step's metadata update
+    # Inside the core's guard the TE layer falls back to a plain (bf16) product.
+    with fp8.no_fp8():
+        np.testing.assert_allclose(layer(x), x @ w, rtol=1e-2)
+    # convert_projections("te") swaps Linear for TEDense holding the same kernel.
+    lin = nnx.Linear(32, 48, use_bias=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    holder = nnx.Dict(proj=lin)
+    fp8.convert_projections(holder, "te", recipe="current")
+    assert isinstance(holder["proj"], fp8.TEDense)
+    np.testing.assert_array_equal(holder["proj"].inner.kernel[...], lin.kernel[...])
