@@ -7,6 +7,8 @@ head's dims.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,7 +17,14 @@ from flax.typing import Dtype
 from gdn_jax import remat
 from gdn_jax.nn.layers import EMBED, HEADS, KV_HEADS, RMSNorm, dense
 
-__all__ = ["GatedAttention", "apply_rotary"]
+__all__ = ["GatedAttention", "KVCache", "apply_rotary"]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of the cached positions, [B, max_len, num_kv_heads, head_dim] each."""
+
+    k: jax.Array
+    v: jax.Array
 
 
 def apply_rotary(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
@@ -100,14 +109,51 @@ class GatedAttention(nnx.Module):
         Returns:
           [B, T, D].
         """
+        q, k, v = self._qkv(x, positions)
+        o = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, is_causal=mask is None)
+        return self._output(o, x)
+
+    def _qkv(self, x, positions):
         B, T, _ = x.shape
         N, NKV, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_norm(self.q_proj(x).reshape(B, T, N, Dh))
         k = self.k_norm(self.k_proj(x).reshape(B, T, NKV, Dh))
         v = self.v_proj(x).reshape(B, T, NKV, Dh)
         rope = dict(rotary_dim=self.rotary_dim, theta=self.rope_theta)
-        q, k = apply_rotary(q, positions, **rope), apply_rotary(k, positions, **rope)
-        o = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, is_causal=mask is None)
+        return apply_rotary(q, positions, **rope), apply_rotary(k, positions, **rope), v
+
+    def _output(self, o, x):
+        B, T, _ = x.shape
         gate = jax.nn.sigmoid(self.gate_proj(x).astype(jnp.float32))
-        o = (o.reshape(B, T, N * Dh).astype(jnp.float32) * gate).astype(o.dtype)
+        o = (o.reshape(B, T, -1).astype(jnp.float32) * gate).astype(o.dtype)
         return remat.name(self.o_proj(o), remat.MIXER_OUT)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype: Dtype = jnp.float32) -> KVCache:
+        """An empty key/value cache for up to ``max_len`` positions."""
+        shape = (batch_size, max_len, self.num_kv_heads, self.head_dim)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def extend(self, x: jax.Array, cache: KVCache, pos: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Append T tokens at positions ``pos .. pos + T - 1`` (prefill or decode).
+
+        Args:
+          x: [B, T, D].
+          cache: from :meth:`init_cache`; positions ``< pos`` hold the prefix.
+          pos: int32 scalar, the number of tokens already cached (``pos + T <= max_len``).
+        Returns:
+          y [B, T, D] and the updated cache.
+        """
+        B, T, _ = x.shape
+        t = pos + jnp.arange(T, dtype=jnp.int32)
+        q, k, v = self._qkv(x, jnp.broadcast_to(t, (B, T)))
+        start = (0, pos, 0, 0)
+        cache = KVCache(
+            k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
+            v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start),
+        )
+        # Query at position t sees cached keys at positions <= t (later slots are empty).
+        mask = (jnp.arange(cache.k.shape[1])[None, :] <= t[:, None])[None, None]
+        o = jax.nn.dot_product_attention(
+            q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask=mask
+        )
+        return self._output(o, x), cache

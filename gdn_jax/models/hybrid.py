@@ -9,7 +9,7 @@ Layer ``i`` is softmax attention iff ``(i + 1) % full_attention_interval == 0`` 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,15 +17,36 @@ from flax import nnx
 from flax.typing import Dtype
 
 from gdn_jax import remat
-from gdn_jax.models.attention import GatedAttention
-from gdn_jax.nn.gated_deltanet import GatedDeltaNet, Variant
+from gdn_jax.models.attention import GatedAttention, KVCache
+from gdn_jax.nn.gated_deltanet import GatedDeltaNet, GDNCache, Variant
 from gdn_jax.nn.layers import EMBED, MLP, VOCAB, RMSNorm, dense, partitioned, sequence_starts
 
 if TYPE_CHECKING:
     from gdn_jax.qat import QATConfig
     from gdn_jax.sharding import ShardingConfig
 
-__all__ = ["HybridConfig", "HybridLM", "SwiGLU", "DecoderLayer", "PRESETS", "get_config"]
+__all__ = [
+    "HybridConfig",
+    "HybridLM",
+    "HybridCache",
+    "SwiGLU",
+    "DecoderLayer",
+    "PRESETS",
+    "get_config",
+]
+
+
+class HybridCache(NamedTuple):
+    """Decode state of a :class:`HybridLM`.
+
+    Attributes:
+      layers: per layer, a :class:`gdn_jax.nn.GDNCache` (conv tails + f32 state) or a
+        :class:`gdn_jax.models.attention.KVCache` (keys and values up to ``max_len``).
+      pos: int32 scalar, the number of tokens processed so far.
+    """
+
+    layers: tuple[GDNCache | KVCache, ...]
+    pos: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +219,15 @@ class DecoderLayer(nnx.Module):
         x = x + h
         return x + self.mlp(self.post_norm(x))
 
+    def extend(self, x, cache, pos):
+        h = self.input_norm(x)
+        if self.layer_type == "attention":
+            h, cache = self.mixer.extend(h, cache, pos)
+        else:
+            h, cache = self.mixer.extend(h, cache)
+        x = x + h
+        return x + self.mlp(self.post_norm(x)), cache
+
 
 class HybridLM(nnx.Module):
     """Decoder-only LM over token ids, ``[B, T] -> logits [B, T, vocab]``.
@@ -272,6 +302,42 @@ class HybridLM(nnx.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
+        return self._logits(x)
+
+    def _logits(self, x):
         x = self.norm(x)
         logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
         return logits.astype(jnp.float32)
+
+    def init_cache(self, batch_size: int, max_len: int) -> HybridCache:
+        """An empty decode cache for sequences of up to ``max_len`` tokens.
+
+        GDN layers keep a constant-size state; attention layers keep keys and values of every
+        position (in the compute dtype, f32 if unset).
+        """
+        dtype = self.dtype or jnp.float32
+        layers = tuple(
+            layer.mixer.init_cache(batch_size, max_len, dtype)
+            if layer.layer_type == "attention"
+            else layer.mixer.init_cache(batch_size, dtype)
+            for layer in self.layers
+        )
+        return HybridCache(layers=layers, pos=jnp.zeros((), jnp.int32))
+
+    def extend(self, tokens: jax.Array, cache: HybridCache) -> tuple[jax.Array, HybridCache]:
+        """Append T >= 1 tokens to every sequence (prefill, then decode token by token).
+
+        Any split of a sequence into ``extend`` calls gives the logits one ``__call__`` gives.
+
+        Args:
+          tokens: [B, T] int token ids.
+          cache: from :meth:`init_cache` or a previous ``extend``.
+        Returns:
+          logits [B, T, vocab] f32 and the updated cache.
+        """
+        x = self.embed(tokens)
+        new = []
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x, layer_cache = layer.extend(x, layer_cache, cache.pos)
+            new.append(layer_cache)
+        return self._logits(x), HybridCache(tuple(new), cache.pos + tokens.shape[1])

@@ -98,3 +98,17 @@ def test_bad_config():
         get_config("llama")
     with pytest.raises(ValueError, match="num_kv_heads"):
         GatedAttention(8, num_heads=3, num_kv_heads=2, head_dim=4, rngs=nnx.Rngs(0))
+
+
+def test_decode_equals_forward():
+    model = HybridLM(get_config("tiny", **SMALL), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 64)
+    want = run(model, tokens)
+    extend = nnx.jit(lambda m, t, c: m.extend(t, c))
+    cache = model.init_cache(2, max_len=16)
+    outs = []
+    for lo, hi in [(0, 7)] + [(t, t + 1) for t in range(7, 12)]:
+        logits, cache = extend(model, tokens[:, lo:hi], cache)
+        outs.append(logits)
+    assert int(cache.pos) == 12
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=2e-5)
