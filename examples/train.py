@@ -120,14 +120,8 @@ def _plot(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the training; returns the final metrics and the trained parameters (for tests)."""
-    args = parse_args(argv)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    implementation = _implementation(args.implementation)
-
-    # -- task ---------------------------------------------------------------------------------
+def make_task(args: argparse.Namespace):
+    """Train and held-out batch functions, the task's vocabulary, its name, tokens per batch."""
     if args.text is None:
         make = lambda seed, bs: tasks.mqar(
             seed=seed,
@@ -144,11 +138,14 @@ def main(argv: list[str] | None = None) -> dict:
         )
         vocab = 256
         task_name = f"bytes of {args.text}"
-    train_batch = make(args.seed, args.batch_size)
+    seq_len = 4 * args.num_pairs if args.text is None else args.seq_len
     # A different seed stream for the held-out evaluation.
-    eval_batch = make(args.seed + 10_000, args.batch_size)
+    held_out = make(args.seed + 10_000, args.batch_size)
+    return make(args.seed, args.batch_size), held_out, vocab, task_name, args.batch_size * seq_len
 
-    # -- model and optimizer ------------------------------------------------------------------
+
+def make_config(args: argparse.Namespace, vocab: int):
+    """The model shape: a preset with the command line's overrides."""
     overrides = {}
     if args.layers is not None:
         overrides["num_layers"] = args.layers
@@ -164,18 +161,34 @@ def main(argv: list[str] | None = None) -> dict:
         config = get_config(args.preset, **overrides)
     if config.vocab_size < vocab:
         raise ValueError(f"preset vocab {config.vocab_size} < task vocab {vocab}")
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
-    model = HybridLM(config, implementation=implementation, dtype=dtype, rngs=nnx.Rngs(args.seed))
-    graphdef, params = nnx.split(model, nnx.Param)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    return config
+
+
+def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+    """AdamW with linear warmup, cosine decay to 5 % and global-norm clipping."""
     warmup = max(1, min(args.warmup, args.steps // 4))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.05
     )
-    tx = optax.chain(
+    return optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay),
     )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the training; returns the final metrics and the trained parameters (for tests)."""
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    implementation = _implementation(args.implementation)
+    train_batch, eval_batch, vocab, task_name, tokens_per_step = make_task(args)
+    config = make_config(args, vocab)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
+    model = HybridLM(config, implementation=implementation, dtype=dtype, rngs=nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    tx = make_optimizer(args)
     opt_state = tx.init(params)
 
     def forward(params, batch):
@@ -198,7 +211,6 @@ def main(argv: list[str] | None = None) -> dict:
         ms = [eval_step(params, i) for i in range(args.eval_batches)]
         return {k: float(jnp.mean(jnp.stack([m[k] for m in ms]))) for k in ms[0]}
 
-    # -- checkpoints --------------------------------------------------------------------------
     manager = ocp.CheckpointManager(out / "checkpoints", options=ocp.CheckpointManagerOptions())
     start = 0
     if args.resume and manager.latest_step() is not None:
@@ -221,11 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
         + (f" | resumed at step {start}" if start else "")
     )
 
-    # -- loop ---------------------------------------------------------------------------------
     metrics_file = out / "metrics.jsonl"
     if not args.resume and metrics_file.exists():
         metrics_file.unlink()
-    tokens_per_step = args.batch_size * (4 * args.num_pairs if args.text is None else args.seq_len)
     stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
     bar = tqdm(range(start, stop), initial=start, total=args.steps, disable=args.no_progress)
     t0, last = time.perf_counter(), start

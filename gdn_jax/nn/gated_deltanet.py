@@ -174,8 +174,6 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(V, eps=norm_eps, **kw)
         self.out_proj = dense(HV * V, D, (HEADS, EMBED), **kw)
 
-    # -- pieces ------------------------------------------------------------------------------
-
     def _gates(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """The core op's gate arguments after (q, k, v), all f32."""
         B, T, _ = x.shape
@@ -214,8 +212,6 @@ class GatedDeltaNet(nnx.Module):
         z = self.z_proj(x).reshape(o.shape)
         y = self.norm(o, z).reshape(B, T, self.num_v_heads * self.v_head_dim)
         return remat.name(self.out_proj(y), remat.MIXER_OUT)
-
-    # -- public ------------------------------------------------------------------------------
 
     def __call__(self, x: jax.Array, *, cu_seqlens: jax.Array | None = None) -> jax.Array:
         """Process whole sequences (training / scoring).
