@@ -106,3 +106,14 @@ def test_nojit_at_rounding_level(named_core_residuals):  # noqa: F811
     ga, gd, gr = (flat(x["grads"][0]) for x in (a, d, r))
     assert rel_rms(gd, ga) < 3e-2
     assert rel_rms(gd, gr) <= 2 * rel_rms(ga, gr)
+
+
+def test_step_lowers_for_cuda_with_offload_and_fp8(named_core_residuals):  # noqa: F811
+    """The whole native-FP8 offload train step, lowered for CUDA on this CPU: host placements
+    for the offloaded tensors and FP8 GEMM operands."""
+    s = ge.make_setup("tiny", fp8_backend="native", **TINY)
+    step = jax.jit(ge.make_step(s, ge.policies_for("offload", s.num_layers)))
+    args = (s.params, s.tx.init(s.params), s.data[0])
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('_xla_buffer_placement = "pinned_host"') >= 13
+    assert "f8E4M3FN" in text and "f8E5M2" in text
