@@ -4,7 +4,8 @@ Chunked, trainable ops with a pure-JAX ``"xla"`` implementation that runs anywhe
 Mosaic GPU kernels (``"pallas"``) on Hopper GPUs.
 """
 
-from gdn_jax import reference
+from gdn_jax import convert, models, nn, qat, reference
+from gdn_jax.nn import GatedDeltaNet
 from gdn_jax.ops import (
     gated_delta_rule,
     gated_delta_rule_step,
@@ -15,12 +16,17 @@ from gdn_jax.ops import (
 )
 
 __all__ = [
+    "GatedDeltaNet",
+    "convert",
     "gated_delta_rule",
     "gated_delta_rule_step",
     "gdn2",
     "gdn2_step",
     "kda",
     "kda_step",
+    "models",
+    "nn",
+    "qat",
     "reference",
 ]
 
