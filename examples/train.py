@@ -3,6 +3,8 @@
     python examples/train.py                       # MQAR, 2 GDN layers, ~2 minutes on a 2-core CPU
     python examples/train.py --text corpus.txt     # next-byte LM on a text file
     python examples/train.py --resume              # continue from the latest checkpoint in --out
+    python examples/train.py --fp8 native --remat save --offload core   # FP8 projections; the
+                                                   # GDN core's residuals in pinned host memory
 
 Shows a progress bar (loss, accuracy, tokens/s), writes ``<out>/train.png`` (loss and accuracy
 curves), ``<out>/metrics.jsonl`` and orbax checkpoints under ``<out>/checkpoints``. The GDN core
@@ -27,6 +29,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tasks as tasks  # noqa: E402  (examples/ is a folder of scripts, not a package)
 
+from gdn_jax import fp8 as fp8_lib  # noqa: E402
+from gdn_jax import remat  # noqa: E402
 from gdn_jax.models import HybridLM, get_config  # noqa: E402
 
 # The demo model: the tiny preset with two GDN layers and no attention layer; 16-token chunks
@@ -79,6 +83,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stop-at", type=int, default=None, help="stop (and checkpoint) early, as if interrupted"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fp8", choices=["te", "native"], default=None, help="FP8 projections")
+    p.add_argument("--fp8-recipe", choices=["current", "delayed"], default="current", help="te")
+    p.add_argument(
+        "--remat",
+        choices=["none", "save", "remat"],
+        default="none",
+        help="checkpoint every layer: save the named tensors, or recompute them too",
+    )
+    p.add_argument(
+        "--offload",
+        default=None,
+        help="comma list of checkpoint names or groups (core, layer, all) to move to host memory",
+    )
+    p.add_argument("--offload-threshold", type=int, default=0, help="only tensors >= N elements")
+    p.add_argument("--offload-fraction", type=float, default=1.0, help="share of layers (0-1)")
     return p.parse_args(argv)
 
 
@@ -185,30 +204,49 @@ def main(argv: list[str] | None = None) -> dict:
     train_batch, eval_batch, vocab, task_name, tokens_per_step = make_task(args)
     config = make_config(args, vocab)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
-    model = HybridLM(config, implementation=implementation, dtype=dtype, rngs=nnx.Rngs(args.seed))
-    graphdef, params = nnx.split(model, nnx.Param)
+    policies = None
+    if args.remat != "none" or args.offload:
+        policies = remat.layer_policies(
+            remat.spec_from_flags("save" if args.remat == "none" else args.remat, args.offload),
+            config.num_layers,
+            offload_fraction=args.offload_fraction,
+            offload_threshold=args.offload_threshold,
+        )
+    model = HybridLM(
+        config,
+        implementation=implementation,
+        dtype=dtype,
+        fp8=args.fp8,
+        fp8_recipe=args.fp8_recipe,
+        remat_policies=policies,
+        rngs=nnx.Rngs(args.seed),
+    )
+    # meta: TE DelayedScaling's amax histories and scales (empty otherwise); the step replaces
+    # them with their "gradient", which is where TE returns their updated values.
+    graphdef, params, meta = nnx.split(model, nnx.Param, fp8_lib.FP8Meta)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     tx = make_optimizer(args)
     opt_state = tx.init(params)
 
-    def forward(params, batch):
-        return _loss(nnx.merge(graphdef, params)(batch["inputs"]), batch)
+    def forward(params, batch, meta):
+        return _loss(nnx.merge(graphdef, params, meta)(batch["inputs"]), batch)
 
     @jax.jit(donate_argnums=(0, 1))
-    def train_step(params, opt_state, step):
+    def train_step(params, opt_state, step, meta):
         batch = train_batch(step)
-        (loss, acc), grads = jax.value_and_grad(forward, has_aux=True)(params, batch)
+        grad_fn = jax.value_and_grad(forward, argnums=(0, 2), has_aux=True)
+        (loss, acc), (grads, meta) = grad_fn(params, batch, meta)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, dict(loss=loss, accuracy=acc)
+        return params, opt_state, dict(loss=loss, accuracy=acc), meta
 
     @jax.jit
-    def eval_step(params, step):
-        loss, acc = forward(params, eval_batch(step))
+    def eval_step(params, step, meta):
+        loss, acc = forward(params, eval_batch(step), meta)
         return dict(loss=loss, accuracy=acc)
 
     def evaluate(params):
-        ms = [eval_step(params, i) for i in range(args.eval_batches)]
+        ms = [eval_step(params, i, meta) for i in range(args.eval_batches)]
         return {k: float(jnp.mean(jnp.stack([m[k] for m in ms]))) for k in ms[0]}
 
     manager = ocp.CheckpointManager(out / "checkpoints", options=ocp.CheckpointManagerOptions())
@@ -242,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = None
     begin = time.perf_counter()
     for step in bar:
-        params, opt_state, metrics = train_step(params, opt_state, jnp.int32(step))
+        params, opt_state, metrics, meta = train_step(params, opt_state, jnp.int32(step), meta)
         done = step + 1
         if done % args.log_every == 0 or done == stop:
             m = {k: float(v) for k, v in metrics.items()}  # waits for the step

@@ -62,6 +62,7 @@ class GatedAttention(nnx.Module):
       rope_theta: RoPE base.
       norm_eps: epsilon of the q/k RMSNorms.
       dtype: compute dtype; param_dtype: parameter dtype; rngs: init randomness.
+      fp8, fp8_recipe: FP8 backend of the projections (gdn_jax.fp8).
     """
 
     def __init__(
@@ -76,6 +77,8 @@ class GatedAttention(nnx.Module):
         norm_eps: float = 1e-6,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
+        fp8: str | None = None,
+        fp8_recipe: str = "current",
         rngs: nnx.Rngs,
     ):
         if num_heads % num_kv_heads:
@@ -88,11 +91,12 @@ class GatedAttention(nnx.Module):
         self.rope_theta = rope_theta
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         D, N, NKV, Dh = hidden_size, num_heads, num_kv_heads, head_dim
-        self.q_proj = dense(D, N * Dh, (EMBED, HEADS), **kw)
-        self.gate_proj = dense(D, N * Dh, (EMBED, HEADS), **kw)
-        self.k_proj = dense(D, NKV * Dh, (EMBED, KV_HEADS), **kw)
-        self.v_proj = dense(D, NKV * Dh, (EMBED, KV_HEADS), **kw)
-        self.o_proj = dense(N * Dh, D, (HEADS, EMBED), **kw)
+        pkw = dict(kw, fp8=fp8, fp8_recipe=fp8_recipe)  # projections may run in FP8
+        self.q_proj = dense(D, N * Dh, (EMBED, HEADS), **pkw)
+        self.gate_proj = dense(D, N * Dh, (EMBED, HEADS), **pkw)
+        self.k_proj = dense(D, NKV * Dh, (EMBED, KV_HEADS), **pkw)
+        self.v_proj = dense(D, NKV * Dh, (EMBED, KV_HEADS), **pkw)
+        self.o_proj = dense(N * Dh, D, (HEADS, EMBED), **pkw)
         self.q_norm = RMSNorm(Dh, eps=norm_eps, **kw)
         self.k_norm = RMSNorm(Dh, eps=norm_eps, **kw)
 

@@ -9,6 +9,7 @@ Layer ``i`` is softmax attention iff ``(i + 1) % full_attention_interval == 0`` 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -147,9 +148,11 @@ class SwiGLU(nnx.Module):
         *,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
+        fp8: str | None = None,
+        fp8_recipe: str = "current",
         rngs: nnx.Rngs,
     ):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, fp8=fp8, fp8_recipe=fp8_recipe)
         self.gate_proj = dense(hidden_size, intermediate_size, (EMBED, MLP), **kw)
         self.up_proj = dense(hidden_size, intermediate_size, (EMBED, MLP), **kw)
         self.down_proj = dense(intermediate_size, hidden_size, (MLP, EMBED), **kw)
@@ -172,10 +175,13 @@ class DecoderLayer(nnx.Module):
         sharding: ShardingConfig | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
+        fp8: str | None = None,
+        fp8_recipe: str = "current",
         rngs: nnx.Rngs,
     ):
         c = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        fkw = dict(kw, fp8=fp8, fp8_recipe=fp8_recipe)  # modules with projections
         self.layer_type = layer_type
         self.input_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
         if layer_type == "attention":
@@ -187,7 +193,7 @@ class DecoderLayer(nnx.Module):
                 partial_rotary_factor=c.partial_rotary_factor,
                 rope_theta=c.rope_theta,
                 norm_eps=c.norm_eps,
-                **kw,
+                **fkw,
             )
         elif layer_type == "linear":
             self.mixer = GatedDeltaNet(
@@ -203,12 +209,12 @@ class DecoderLayer(nnx.Module):
                 implementation=implementation,
                 qat=qat,
                 sharding=sharding,
-                **kw,
+                **fkw,
             )
         else:
             raise ValueError(f"{layer_type=}: expected 'attention' or 'linear'")
         self.post_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, **kw)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, **fkw)
 
     def __call__(self, x, *, positions, mask, cu_seqlens):
         h = self.input_norm(x)
@@ -229,6 +235,10 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_norm(x)), cache
 
 
+def _call_layer(layer, x, positions, mask, cu_seqlens):
+    return layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
+
+
 class HybridLM(nnx.Module):
     """Decoder-only LM over token ids, ``[B, T] -> logits [B, T, vocab]``.
 
@@ -238,6 +248,10 @@ class HybridLM(nnx.Module):
       qat, sharding: passed to every GDN layer (see :class:`gdn_jax.nn.GatedDeltaNet`); a layer's
         ``mixer.qat`` can also be set after construction to quantise only some layers.
       dtype: compute dtype (e.g. ``jnp.bfloat16``); param_dtype: parameter dtype.
+      fp8, fp8_recipe: FP8 backend of the layers' projections (None, "native", "te";
+        gdn_jax.fp8). The embedding and LM head stay in the compute dtype.
+      remat_policies: one ``jax.checkpoint`` policy (or None: no checkpoint) per layer, e.g.
+        ``gdn_jax.remat.layer_policies(spec, num_layers, offload_fraction=0.5)``.
       rngs: init randomness.
 
     Example:
@@ -255,11 +269,17 @@ class HybridLM(nnx.Module):
         sharding: ShardingConfig | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
+        fp8: str | None = None,
+        fp8_recipe: str = "current",
+        remat_policies: Sequence[Callable | None] | None = None,
         rngs: nnx.Rngs,
     ):
         c = config
         self.config = config
         self.dtype = dtype
+        if remat_policies is not None and len(remat_policies) != c.num_layers:
+            raise ValueError(f"{len(remat_policies)=} must equal {c.num_layers=}")
+        self.remat_policies = tuple(remat_policies or (None,) * c.num_layers)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embed = nnx.Embed(
             c.vocab_size,
@@ -272,7 +292,16 @@ class HybridLM(nnx.Module):
         )
         self.layers = nnx.List(
             [
-                DecoderLayer(c, t, implementation=implementation, qat=qat, sharding=sharding, **kw)
+                DecoderLayer(
+                    c,
+                    t,
+                    implementation=implementation,
+                    qat=qat,
+                    sharding=sharding,
+                    fp8=fp8,
+                    fp8_recipe=fp8_recipe,
+                    **kw,
+                )
                 for t in config.layer_types
             ]
         )
@@ -300,8 +329,14 @@ class HybridLM(nnx.Module):
             # Same sequence (same start) and causal.
             mask = ((start[:, None] == start[None, :]) & (t[:, None] >= t[None, :]))[None, None]
         x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
+        for layer, policy in zip(self.layers, self.remat_policies, strict=True):
+            if policy is None:
+                x = layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
+            else:
+                # The layer's named tensors are saved, offloaded or recomputed per the policy.
+                x = nnx.remat(_call_layer, policy=policy, prevent_cse=True)(
+                    layer, x, positions, mask, cu_seqlens
+                )
         return self._logits(x)
 
     def _logits(self, x):

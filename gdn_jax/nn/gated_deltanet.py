@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
 
+from gdn_jax import fp8 as fp8_lib
 from gdn_jax import ops, remat
 from gdn_jax.nn.layers import EMBED, HEADS, GatedRMSNorm, ShortConv, dense, partitioned
 
@@ -100,6 +101,9 @@ class GatedDeltaNet(nnx.Module):
       dtype: compute dtype of projections, conv and core inputs (None: inferred from inputs and
         params, as ``nnx.Linear`` does). Gates are always f32.
       param_dtype: dtype of the parameters.
+      fp8: FP8 backend of the projections (None, "native", "te"; gdn_jax.fp8); the core op
+        always runs in the compute dtype.
+      fp8_recipe: TE recipe name for ``fp8="te"`` ("current" or "delayed").
       rngs: random streams for the initialisation.
 
     Example:
@@ -128,6 +132,8 @@ class GatedDeltaNet(nnx.Module):
         dt_range: tuple[float, float] = (1e-3, 0.1),
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
+        fp8: fp8_lib.Backend = None,
+        fp8_recipe: str = "current",
         rngs: nnx.Rngs,
     ):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
@@ -154,14 +160,15 @@ class GatedDeltaNet(nnx.Module):
         # Per-key-channel gates for kda/gdn2, one per value head for gdn.
         G = HV if variant == "gdn" else HV * K
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = dense(D, H * K, (EMBED, HEADS), **kw)
-        self.k_proj = dense(D, H * K, (EMBED, HEADS), **kw)
-        self.v_proj = dense(D, HV * V, (EMBED, HEADS), **kw)
-        self.z_proj = dense(D, HV * V, (EMBED, HEADS), **kw)
-        self.a_proj = dense(D, G, (EMBED, HEADS), **kw)
-        self.b_proj = dense(D, HV if variant == "kda" else G, (EMBED, HEADS), **kw)
+        pkw = dict(kw, fp8=fp8, fp8_recipe=fp8_recipe)  # projections may run in FP8
+        self.q_proj = dense(D, H * K, (EMBED, HEADS), **pkw)
+        self.k_proj = dense(D, H * K, (EMBED, HEADS), **pkw)
+        self.v_proj = dense(D, HV * V, (EMBED, HEADS), **pkw)
+        self.z_proj = dense(D, HV * V, (EMBED, HEADS), **pkw)
+        self.a_proj = dense(D, G, (EMBED, HEADS), **pkw)
+        self.b_proj = dense(D, HV if variant == "kda" else G, (EMBED, HEADS), **pkw)
         if variant == "gdn2":
-            self.w_proj = dense(D, HV * V, (EMBED, HEADS), **kw)
+            self.w_proj = dense(D, HV * V, (EMBED, HEADS), **pkw)
         self.q_conv = ShortConv(H * K, kernel_size=conv_kernel, **kw)
         self.k_conv = ShortConv(H * K, kernel_size=conv_kernel, **kw)
         self.v_conv = ShortConv(HV * V, kernel_size=conv_kernel, **kw)
@@ -172,7 +179,7 @@ class GatedDeltaNet(nnx.Module):
             partitioned(_dt_bias_init(*dt_range), (HEADS,))(rngs.params(), (G,), param_dtype)
         )
         self.norm = GatedRMSNorm(V, eps=norm_eps, **kw)
-        self.out_proj = dense(HV * V, D, (HEADS, EMBED), **kw)
+        self.out_proj = dense(HV * V, D, (HEADS, EMBED), **pkw)
 
     def _gates(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """The core op's gate arguments after (q, k, v), all f32."""
@@ -229,7 +236,8 @@ class GatedDeltaNet(nnx.Module):
         # Named so remat policies (gdn_jax.remat) can save, offload or recompute them.
         qkv = remat.name(self._heads(q, k, v), remat.GDN_QKV)
         gates = remat.name(self._gates(x), remat.GDN_GATES)
-        o, _ = _OPS[self.variant][0](
+        # The core never runs in FP8 (inputs upcast, TE autocast off inside; gdn_jax.fp8).
+        o, _ = fp8_lib.fp8_free(_OPS[self.variant][0])(
             *qkv,
             *gates,
             use_qk_l2norm=self.use_qk_l2norm,
@@ -273,7 +281,7 @@ class GatedDeltaNet(nnx.Module):
         q = self.q_conv(xq, tail=cache.conv_q)
         k = self.k_conv(xk, tail=cache.conv_k)
         v = self.v_conv(xv, tail=cache.conv_v)
-        chunked, step = _OPS[self.variant]
+        chunked, step = (fp8_lib.fp8_free(op) for op in _OPS[self.variant])
         args = (*self._heads(q, k, v), *self._gates(x))
         if x.shape[1] == 1:
             o, state = step(*args, cache.state, use_qk_l2norm=self.use_qk_l2norm)

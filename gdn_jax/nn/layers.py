@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype, Initializer
 
+from gdn_jax import fp8 as fp8_lib
+
 __all__ = [
     "EMBED",
     "HEADS",
@@ -61,12 +63,21 @@ def dense(
     param_dtype: Dtype,
     rngs: nnx.Rngs,
     kernel_init: Initializer | None = None,
-) -> nnx.Linear:
+    fp8: fp8_lib.Backend = None,
+    fp8_recipe: str = "current",
+) -> nnx.Module:
     """A bias-free projection ``[..., in] -> [..., out]`` with kernel axes ``axes``.
 
-    ``kernel_init`` defaults to LeCun normal (std ``in_features**-0.5``).
+    ``kernel_init`` defaults to LeCun normal (std ``in_features**-0.5``). ``fp8``: ``None``
+    (compute dtype), ``"native"`` (JAX FP8 ``dot_general``) or ``"te"`` (TransformerEngine
+    ``TEDense`` with ``fp8_recipe``); see :mod:`gdn_jax.fp8`.
     """
     kernel_init = kernel_init or nnx.initializers.lecun_normal()
+    if fp8 == "te":
+        return fp8_lib.TEDense(
+            in_features, out_features, axes, recipe=fp8_recipe, dtype=dtype,
+            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
+        )  # fmt: skip
     return nnx.Linear(
         in_features,
         out_features,
@@ -74,6 +85,7 @@ def dense(
         dtype=dtype,
         param_dtype=param_dtype,
         kernel_init=partitioned(kernel_init, axes),
+        dot_general=fp8_lib.dot_general(fp8),
         rngs=rngs,
     )
 
