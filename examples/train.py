@@ -3,6 +3,7 @@
     python examples/train.py                       # MQAR, 2 GDN layers, ~2 minutes on a 2-core CPU
     python examples/train.py --text corpus.txt     # next-byte LM on a text file
     python examples/train.py --resume              # continue from the latest checkpoint in --out
+    python examples/train.py --cpu-devices 8 --mesh data=2,fsdp=2,tensor=2   # DP x FSDP x TP
     python examples/train.py --fp8 native --remat save --offload core   # FP8 projections; the
                                                    # GDN core's residuals in pinned host memory
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tasks as tasks  # noqa: E402  (examples/ is a folder of scripts, not a package)
 
 from gdn_jax import fp8 as fp8_lib  # noqa: E402
-from gdn_jax import remat  # noqa: E402
+from gdn_jax import remat, sharding  # noqa: E402
 from gdn_jax.models import HybridLM, get_config  # noqa: E402
 
 # The demo model: the tiny preset with two GDN layers and no attention layer; 16-token chunks
@@ -83,6 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stop-at", type=int, default=None, help="stop (and checkpoint) early, as if interrupted"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help='shard over a device mesh, e.g. "data=2,fsdp=2,tensor=2" (DP, FSDP, TP over heads)',
+    )
+    p.add_argument(
+        "--cpu-devices", type=int, default=None, help="split the CPU into N devices (for --mesh)"
+    )
     p.add_argument("--fp8", choices=["te", "native"], default=None, help="FP8 projections")
     p.add_argument("--fp8-recipe", choices=["current", "delayed"], default="current", help="te")
     p.add_argument(
@@ -198,6 +207,8 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
 def main(argv: list[str] | None = None) -> dict:
     """Run the training; returns the final metrics and the trained parameters (for tests)."""
     args = parse_args(argv)
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before any device is used
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     implementation = _implementation(args.implementation)
@@ -212,6 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
             offload_fraction=args.offload_fraction,
             offload_threshold=args.offload_threshold,
         )
+    mesh = rules = None
+    if args.mesh:
+        mesh = sharding.make_mesh(args.mesh)
+        sharding.check_model_divisibility(config, mesh)
+        rules = sharding.logical_axis_rules(mesh)
     model = HybridLM(
         config,
         implementation=implementation,
@@ -219,21 +235,29 @@ def main(argv: list[str] | None = None) -> dict:
         fp8=args.fp8,
         fp8_recipe=args.fp8_recipe,
         remat_policies=policies,
+        sharding=None if mesh is None else sharding.model_core_sharding(mesh),
         rngs=nnx.Rngs(args.seed),
     )
+    if mesh is not None:
+        sharding.shard_model(model, mesh, rules)  # parameters laid out by the logical-axis rules
     # meta: TE DelayedScaling's amax histories and scales (empty otherwise); the step replaces
     # them with their "gradient", which is where TE returns their updated values.
     graphdef, params, meta = nnx.split(model, nnx.Param, fp8_lib.FP8Meta)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     tx = make_optimizer(args)
-    opt_state = tx.init(params)
+    opt_state = jax.jit(tx.init)(params)  # follows the parameters' layout
+
+    def constrain(batch):
+        if mesh is None:
+            return batch
+        return jax.lax.with_sharding_constraint(batch, sharding.batch_sharding(mesh, rules))
 
     def forward(params, batch, meta):
         return _loss(nnx.merge(graphdef, params, meta)(batch["inputs"]), batch)
 
     @jax.jit(donate_argnums=(0, 1))
     def train_step(params, opt_state, step, meta):
-        batch = train_batch(step)
+        batch = constrain(train_batch(step))
         grad_fn = jax.value_and_grad(forward, argnums=(0, 2), has_aux=True)
         (loss, acc), (grads, meta) = grad_fn(params, batch, meta)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -242,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     @jax.jit
     def eval_step(params, step, meta):
-        loss, acc = forward(params, eval_batch(step), meta)
+        loss, acc = forward(params, constrain(eval_batch(step)), meta)
         return dict(loss=loss, accuracy=acc)
 
     def evaluate(params):

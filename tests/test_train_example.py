@@ -61,3 +61,15 @@ def test_text_file_task(train, tmp_path):
         TINY + ["--steps=4", "--log-every=2", "--seq-len=32", f"--text={text}", f"--out={tmp_path}"]
     )
     assert np.isfinite(result["eval"]["loss"])
+
+
+def test_mesh_flag_matches_the_unsharded_run(train, tmp_path):
+    """--mesh data=2,fsdp=2,tensor=2 (8 fake CPU devices) trains like one device."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (fake CPU) devices")
+    common = TINY + ["--steps=4", "--log-every=1", "--attention-interval=4", "--warmup=1"]
+    one = train(common + [f"--out={tmp_path / 'one'}"])
+    mesh = train(common + ["--mesh=data=2,fsdp=2,tensor=2", f"--out={tmp_path / 'mesh'}"])
+    a = [h["loss"] for h in one["history"]]
+    b = [h["loss"] for h in mesh["history"]]
+    np.testing.assert_allclose(b, a, rtol=1e-5)
