@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from gdn_jax import fp8, remat  # noqa: E402
 from gdn_jax.models import HybridLM, get_config  # noqa: E402
-from gdn_jax.ops import _xla  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "gpu_equivalence", ROOT / "scripts/gpu_equivalence.py"
@@ -132,8 +131,6 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new settings")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    # Policies only see the core's residual names without optimize_remat (docs/fp8_remat.md).
-    _xla.chunked_core.optimize_remat = False
     start = time.perf_counter()
     rows = []
     print(f"{jax.devices()[0].device_kind}: {args.preset} B={args.batch} T={args.seq}")

@@ -227,10 +227,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     start = time.perf_counter()
     report = []
-    # The core's residual names are only visible to policies without optimize_remat.
-    from gdn_jax.ops import _xla
-
-    _xla.chunked_core.optimize_remat = False
     print(f"devices: {jax.devices()}  preset={args.preset} seq={args.seq} batch={args.batch}")
     kw = dict(offload_fraction=args.offload_fraction, offload_threshold=args.offload_threshold)
     ok = True

@@ -17,26 +17,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 import gdn_jax
 from gdn_jax import remat
-from gdn_jax.ops import _xla
-
-
-@pytest.fixture
-def named_core_residuals():
-    """Let outer checkpoint policies see the xla core's named residuals.
-
-    With ``optimize_remat=True`` the custom_vjp forward becomes one opaque ``remat_opt``
-    primitive, so a policy never sees the ``checkpoint_name`` calls inside it and recomputes the
-    whole core forward instead of saving/offloading the named residuals. Until the ops use
-    ``optimize_remat=False`` (see docs/fp8_remat.md), tests switch it off for their duration.
-    """
-    old = _xla.chunked_core.optimize_remat
-    _xla.chunked_core.optimize_remat = False
-    jax.clear_caches()  # the ops are jitted: drop traces made with the other setting
-    try:
-        yield
-    finally:
-        _xla.chunked_core.optimize_remat = old
-        jax.clear_caches()
 
 
 def host_shapes(jaxpr_text: str) -> list[str]:
@@ -127,7 +107,7 @@ def _core_loss(q, k, v, g, beta):
     return jnp.sum(jnp.square(o.astype(jnp.float32)))
 
 
-def test_core_residuals_offloaded_and_results_unchanged(named_core_residuals):
+def test_core_residuals_offloaded_and_results_unchanged():
     args = _core_inputs()
     spec = dict.fromkeys(remat.CORE_RESIDUALS, "offload")
     pol = remat.remat_policy(spec)
@@ -146,7 +126,7 @@ def test_core_residuals_offloaded_and_results_unchanged(named_core_residuals):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_cuda_lowering_has_pinned_host(named_core_residuals):
+def test_cuda_lowering_has_pinned_host():
     args = _core_inputs()
     pol = remat.remat_policy({remat.GDN_CHUNK_STATES: "offload", remat.GDN_A: "save"})
     f = jax.jit(jax.grad(jax.checkpoint(_core_loss, policy=pol)))
@@ -155,15 +135,6 @@ def test_cuda_lowering_has_pinned_host(named_core_residuals):
     assert '_xla_buffer_placement = "pinned_host"' in text
     # and the CPU lowering of the same step holds no placement (why CPU checks the jaxpr).
     assert "pinned_host" not in f.trace(*args).lower().as_text()
-
-
-def test_optimize_remat_hides_names():
-    """Documents why the fixture above exists: with optimize_remat the names are invisible."""
-    if not _xla.chunked_core.optimize_remat:
-        pytest.skip("ops already expose their residual names (optimize_remat=False)")
-    jax.clear_caches()
-    pol = remat.remat_policy(dict.fromkeys(remat.CORE_RESIDUALS, "offload"))
-    assert host_shapes(_grad_jaxpr(_core_loss, pol, *_core_inputs())) == []
 
 
 def _model_wired() -> bool:
@@ -176,7 +147,7 @@ def _model_wired() -> bool:
 
 @pytest.mark.skipif(not _model_wired(), reason="HybridLM has no remat_policies option yet")
 @pytest.mark.parametrize("fraction, expected", [(0.0, 0), (0.5, 3), (1.0, 3)])
-def test_model_offload_fraction(fraction, expected, named_core_residuals):
+def test_model_offload_fraction(fraction, expected):
     """HybridLM(remat_policies=...): with 2 layers (GDN, attention) and the core's residuals
     offloaded, fraction 0.5 offloads layer 0 (the GDN layer: 3 tensors), fraction 0 none."""
     from flax import nnx

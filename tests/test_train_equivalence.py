@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_remat import named_core_residuals  # noqa: F401  (fixture)
 
 from gdn_jax.testing import rel_rms
 
@@ -48,7 +47,7 @@ _CACHE: dict = {}
 
 
 @pytest.mark.parametrize("backend", [None, "native"])
-def test_offload_remat_bitwise(backend, named_core_residuals):  # noqa: F811
+def test_offload_remat_bitwise(backend):
     s = ge.make_setup("tiny", fp8_backend=backend, **TINY)
     # (b) really offloads, per micro-batch: the GDN core's residuals (f32 gate cumsum
     # [N, NC, C, HV, 1], A [N, NC, HV, C, C], chunk states [N, NC, HV, K, V]; one chunk of 64)
@@ -85,7 +84,7 @@ def test_offload_remat_bitwise(backend, named_core_residuals):  # noqa: F811
     assert any(not np.array_equal(x, y) for x, y in zip(p0, p6, strict=True))
 
 
-def test_nojit_at_rounding_level(named_core_residuals):  # noqa: F811
+def test_nojit_at_rounding_level():
     """(d) vs (a) on the first step: both are BF16 runs of the same maths and are equally far
     from the f32 run (op by op is as accurate as jitted), so their difference is BF16 rounding.
     (In f32 compute the two agree to ~1e-7 in the loss and ~2e-6 in the gradients: XLA still
@@ -108,7 +107,7 @@ def test_nojit_at_rounding_level(named_core_residuals):  # noqa: F811
     assert rel_rms(gd, gr) <= 2 * rel_rms(ga, gr)
 
 
-def test_step_lowers_for_cuda_with_offload_and_fp8(named_core_residuals):  # noqa: F811
+def test_step_lowers_for_cuda_with_offload_and_fp8():
     """The whole native-FP8 offload train step, lowered for CUDA on this CPU: host placements
     for the offloaded tensors and FP8 GEMM operands."""
     s = ge.make_setup("tiny", fp8_backend="native", **TINY)

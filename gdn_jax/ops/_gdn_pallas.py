@@ -112,19 +112,14 @@ def _core_bwd(cfg, res, cts):
     return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0
 
 
-@functools.cache
-def _make_core(optimize_remat: bool):
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def core(cfg: PallasConfig, q, k, v, G, beta, h0):
-        return _forward(cfg, q, k, v, G, beta, h0)
-
-    core.defvjp(_core_fwd, _core_bwd, optimize_remat=optimize_remat)
-    return core
-
-
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg: PallasConfig, q, k, v, G, beta, h0):
-    # the interpreter runs kernels through ordered host callbacks, which optimize_remat rejects
-    return _make_core(cfg.mode != "interpret")(cfg, q, k, v, G, beta, h0)
+    return _forward(cfg, q, k, v, G, beta, h0)
+
+
+# No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
+# (and the interpreter's ordered host callbacks reject it).
+_core.defvjp(_core_fwd, _core_bwd)
 
 
 # ---------------------------------------------------------------------------------------------

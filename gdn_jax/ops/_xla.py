@@ -130,7 +130,9 @@ def _bwd(cfg, res, cts):
     return dq, dk, dv, dg, db, dw, dh0, None
 
 
-chunked_core.defvjp(_fwd, _bwd, optimize_remat=True)
+# No optimize_remat: it would wrap the forward in one opaque primitive and hide the residuals'
+# checkpoint names from remat/offload policies (they would recompute the whole core instead).
+chunked_core.defvjp(_fwd, _bwd)
 
 
 def chunked(
