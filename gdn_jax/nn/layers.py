@@ -225,29 +225,13 @@ class RMSNorm(nnx.Module):
         return y.astype(self.dtype or x.dtype)
 
 
-class GatedRMSNorm(nnx.Module):
+class GatedRMSNorm(RMSNorm):
     """The GDN output norm: ``RMSNorm(o) * silu(z)`` over the last (value head) axis, in f32.
 
     The weight starts at 1 and multiplies directly (not ``1 + w``), as in Qwen3-Next/Qwen3.5.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        *,
-        eps: float = 1e-6,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        del rngs
-        self.eps = eps
-        self.dtype = dtype
-        self.weight = nnx.Param(
-            partitioned(nnx.initializers.ones, (NORM,))(None, (dim,), param_dtype)
-        )
-
-    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:  # type: ignore[override]
         """x, z: [..., dim] -> [..., dim] in ``dtype`` (or x.dtype)."""
         y = _rms(x, self.eps) * self.weight[...].astype(jnp.float32)
         y = y * jax.nn.silu(z.astype(jnp.float32))
