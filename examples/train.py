@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mesh",
         default=None,
-        help='shard over a device mesh, e.g. "data=2,fsdp=2,tensor=2" (DP, FSDP, TP over heads)',
+        help='shard over a device mesh, e.g. "data=2,fsdp=2,tensor=2" (DP, FSDP, TP over heads; '
+        '"context=2": the sequence, CP)',
     )
     p.add_argument(
         "--cpu-devices", type=int, default=None, help="split the CPU into N devices (for --mesh)"

@@ -475,6 +475,7 @@ def logical_axis_rules(
     data: str = DATA,
     fsdp: str = FSDP,
     tensor: str = TENSOR,
+    context: str = CONTEXT,
     shard_kv_heads: bool = False,
 ) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
     """Logical axis name → mesh axes for the hybrid LM (``nnx.logical_axis_rules``).
@@ -489,12 +490,16 @@ def logical_axis_rules(
       the vocabulary over ``tensor`` too. Norm weights and conv taps are replicated.
     - ``kv_heads`` (softmax-attention K/V under GQA, usually fewer than the tensor shards) is
       replicated unless ``shard_kv_heads``.
+    - CP: the sequence of the input batch (``"length"``) is split over ``context``. No weight
+      has a sequence dimension; the GDN cores pass their states across the shards
+      (:func:`model_core_sharding`) and XLA's partitioner handles the rest (the short convs' halo,
+      the softmax-attention layers' all-gather of K/V).
 
     Axes missing from ``mesh`` are dropped, so ``make_mesh("data=8")`` gives plain DP.
 
     Args:
       mesh: the mesh the rules are for.
-      data, fsdp, tensor: the mesh axis names of the three kinds of parallelism.
+      data, fsdp, tensor, context: the mesh axis names of the four kinds of parallelism.
       shard_kv_heads: split ``kv_heads`` over ``tensor`` too.
 
     Returns:
@@ -508,6 +513,7 @@ def logical_axis_rules(
     tp = tensor if tensor in has else None
     return (
         ("batch", _entry(batch)),
+        ("length", context if context in has else None),
         (EMBED, fs),
         (HEADS, tp),
         (KV_HEADS, tp if shard_kv_heads else None),
@@ -519,7 +525,13 @@ def logical_axis_rules(
 
 
 def model_core_sharding(
-    mesh: Mesh, *, data: str = DATA, fsdp: str = FSDP, tensor: str = TENSOR
+    mesh: Mesh,
+    *,
+    data: str = DATA,
+    fsdp: str = FSDP,
+    tensor: str = TENSOR,
+    context: str = CONTEXT,
+    context_mode: ContextMode = "state_passing",
 ) -> ShardingConfig:
     """The :class:`ShardingConfig` of the GDN core that matches :func:`logical_axis_rules`."""
     has = set(mesh.axis_names)
@@ -527,6 +539,8 @@ def model_core_sharding(
         mesh,
         batch=tuple(a for a in (data, fsdp) if a in has),
         heads=tensor if tensor in has else None,
+        context=context if context in has else None,
+        context_mode=context_mode,
     )
 
 
@@ -586,6 +600,8 @@ def shard_model(model, mesh: Mesh, rules) -> object:
 
 
 def batch_sharding(mesh: Mesh, rules, rank: int = 2) -> NamedSharding:
-    """Sharding of a ``[B, ...]`` input batch (tokens, targets) under ``rules``."""
-    batch = dict(rules).get("batch")
-    return NamedSharding(mesh, P(batch, *([None] * (rank - 1))))
+    """Sharding of a ``[B, T, ...]`` input batch (tokens, targets) under ``rules``: B over the
+    rules' ``"batch"`` axes, T over their ``"length"`` axis (context parallelism)."""
+    rules = dict(rules)
+    spec = (rules.get("batch"), rules.get("length"))[:rank]
+    return NamedSharding(mesh, P(*spec, *([None] * (rank - len(spec)))))

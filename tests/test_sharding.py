@@ -224,3 +224,24 @@ def test_train_step_dp_fsdp_tp(monkeypatch):
     # gradient entries into O(lr) differences: a looser bound for the updated parameters.
     for a, b in zip(jax.tree.leaves(new1), jax.tree.leaves(new0), strict=True):
         assert rel_rms(a, b) < 10 * TOL
+
+
+def test_model_modes_match_one_device():
+    """benchmarks/bench_sharding.py's check (what the multi-GPU run reports): one train step of
+    the hybrid LM (3 GDN layers + 1 attention layer, f32) under DP, FSDP, TP and CP on two devices
+    gives the one-device loss and gradients at f32 rounding level. CP passes the GDN states
+    between the sequence shards and lets XLA split the conv and attention."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sharding.py"
+    spec = importlib.util.spec_from_file_location("bench_sharding", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(
+        "--preset tiny --layers 4 --seq 128 --batch 2 --devices 2 --iters 0 --dtype float32 "
+        "--implementation xla --tol 1e-4".split()
+    )
+    assert [r["mode"] for r in rows] == ["dp", "fsdp", "tp", "cp"]
+    for r in rows:
+        assert r["loss_rel_diff"] < 1e-5 and r["grad_rel_rms"] < 1e-4, r

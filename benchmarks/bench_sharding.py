@@ -1,0 +1,190 @@
+"""Sharded training of the hybrid LM: each parallelism mode vs the one-device run.
+
+For every mode (``dp``: batch over ``data``; ``fsdp``: batch and weights over ``fsdp``; ``tp``:
+heads over ``tensor``; ``cp``: the sequence over ``context``, GDN states passed between shards)
+on ``--devices`` devices, one AdamW train step (forward, backward, update) of the chosen preset is
+
+- checked: its loss and every gradient against the same step on one device (relative RMS over
+  all gradient leaves, reported; ``--tol`` fails the run), and
+- timed: median of ``--iters`` steps after a warm-up, for the mode and for the one-device step
+  of the same global batch, giving tokens/s per device and the scaling efficiency
+  ``t_1 / (n · t_n)`` (1.0 = perfect: n devices run the same step n times faster).
+
+DP and FSDP scale the global batch with the devices (``--batch`` per device: weak scaling); TP and
+CP split one ``--batch`` (strong scaling). The one-device step of the same global batch must fit
+on one device.
+
+    python benchmarks/bench_sharding.py --preset qwen3_5_0_8b --layers 4 --devices 2 \
+        --implementation pallas --json sharding.json                 # on 2+ GPUs
+    python benchmarks/bench_sharding.py --cpu-devices 4 --preset tiny --layers 2 --seq 128 \
+        --batch 2 --iters 1 --devices 2 --dtype float32             # CPU check, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gdn_jax import sharding  # noqa: E402
+from gdn_jax.models import HybridLM, get_config  # noqa: E402
+
+MODES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "cp": "context"}
+WEAK = ("dp", "fsdp")  # global batch grows with the devices
+
+
+def _model(config, implementation, dtype, mesh):
+    core = None if mesh is None else sharding.model_core_sharding(mesh)
+    return HybridLM(
+        config,
+        implementation=implementation,
+        dtype=dtype,
+        sharding=core,
+        rngs=nnx.Rngs(0),
+    )
+
+
+def _step_fn(graphdef, tx, constrain):
+    def loss_fn(params, tokens):
+        inputs, targets = constrain(tokens)
+        logits = nnx.merge(graphdef, params)(inputs)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    return jax.jit(step)
+
+
+def _time(step, params, opt_state, tokens, iters: int) -> tuple[float, tuple]:
+    out = step(params, opt_state, tokens)  # compile + warm-up; its results are the ones checked
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(params, opt_state, tokens))
+        times.append(time.perf_counter() - t0)
+    return (float(np.median(times)) if times else float("nan")), out  # --iters 0: check only
+
+
+def _run(config, args, tokens, mesh):
+    """One train step on ``tokens`` [B, T + 1] on ``mesh`` (None: the first device)."""
+    tokens = (tokens[:, :-1], tokens[:, 1:])  # inputs, targets: [B, T] each
+    model = _model(config, args.implementation, jnp.dtype(args.dtype), mesh)
+    tx = optax.adamw(1e-3)
+    if mesh is None:
+        dev = jax.devices()[0]
+        graphdef, params = nnx.split(model, nnx.Param)
+        params = jax.device_put(params, dev)
+        tokens = jax.device_put(tokens, dev)
+        constrain = lambda t: t
+    else:
+        rules = sharding.logical_axis_rules(mesh)
+        sharding.shard_model(model, mesh, rules)
+        graphdef, params = nnx.split(model, nnx.Param)
+        tok_sharding = sharding.batch_sharding(mesh, rules)
+        tokens = jax.device_put(tokens, tok_sharding)
+        constrain = lambda t: jax.lax.with_sharding_constraint(t, tok_sharding)
+    opt_state = jax.jit(tx.init)(params)
+    step = _step_fn(graphdef, tx, constrain)
+    t, (_, _, loss, grads) = _time(step, params, opt_state, tokens, args.iters)
+    return t, float(loss), jax.tree.map(np.asarray, jax.device_get(grads))
+
+
+def _grad_rel_rms(a, b) -> float:
+    """sqrt(Σ|a − b|²) / sqrt(Σ|b|²) over all leaves (f32)."""
+    num = den = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        num += float(np.sum((x - y) ** 2))
+        den += float(np.sum(y**2))
+    return float(np.sqrt(num / max(den, 1e-300)))
+
+
+def bench(args) -> list[dict]:
+    n = args.devices or len(jax.devices())
+    if n > len(jax.devices()):
+        raise ValueError(f"--devices {n}: only {len(jax.devices())} devices")
+    overrides = {} if args.layers is None else {"num_layers": args.layers}
+    config = get_config(args.preset, **overrides)
+    rng = np.random.default_rng(0)
+    reference: dict[int, tuple] = {}  # global batch -> one-device (time, loss, grads)
+    rows = []
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise ValueError(f"--modes: {mode!r} is not one of {sorted(MODES)}")
+        B = args.batch * n if mode in WEAK else args.batch
+        if B not in reference:
+            tokens = rng.integers(0, config.vocab_size, (B, args.seq + 1), dtype=np.int32)
+            reference[B] = (tokens, *_run(config, args, tokens, None))
+        tokens, t1, loss1, grads1 = reference[B]
+        mesh = sharding.make_mesh({MODES[mode]: n})
+        if mode == "tp":
+            sharding.check_model_divisibility(config, mesh)
+        tn, loss_n, grads_n = _run(config, args, tokens, mesh)
+        row = dict(
+            mode=mode,
+            devices=n,
+            global_batch=B,
+            seq=args.seq,
+            loss_1=loss1,
+            loss_n=loss_n,
+            loss_rel_diff=abs(loss_n - loss1) / abs(loss1),
+            grad_rel_rms=_grad_rel_rms(grads_n, grads1),
+            step_ms_1=1e3 * t1,
+            step_ms_n=1e3 * tn,
+            tokens_per_s_per_device=B * args.seq / tn / n,
+            efficiency=t1 / (n * tn),
+        )
+        rows.append(row)
+        print(
+            f"{mode:5s} n={n} B={B:3d}  loss {loss1:.6f} vs {loss_n:.6f}  "
+            f"grad rel RMS {row['grad_rel_rms']:.2e}  step {row['step_ms_1']:.1f} → "
+            f"{row['step_ms_n']:.1f} ms  {row['tokens_per_s_per_device']:.0f} tok/s/dev  "
+            f"efficiency {row['efficiency']:.2f}",
+            flush=True,
+        )
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="qwen3_5_0_8b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=2, help="per device for dp/fsdp, global for tp/cp")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--devices", type=int, default=None, help="default: all")
+    p.add_argument("--modes", default="dp,fsdp,tp,cp")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--implementation", default=None, help="GDN core (default: per platform)")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype (float32 for exactness)")
+    p.add_argument("--tol", type=float, default=2e-2, help="max loss diff / grad rel RMS")
+    p.add_argument("--cpu-devices", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    print(f"devices: {jax.devices()}  preset={args.preset} layers={args.layers} seq={args.seq}")
+    rows = bench(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(rows=rows, args=vars(args)), indent=1))
+    bad = [r["mode"] for r in rows if max(r["loss_rel_diff"], r["grad_rel_rms"]) > args.tol]
+    if bad:
+        raise SystemExit(f"modes {bad} differ from the one-device step by more than {args.tol}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
