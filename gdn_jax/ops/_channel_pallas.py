@@ -1,0 +1,295 @@
+"""``implementation="pallas"`` of :func:`gdn_jax.gdn2` and :func:`gdn_jax.kda` (decay per key
+channel): glue around the Mosaic GPU kernels of :mod:`pallas_kernels.channel`.
+
+Layout work happens outside the ``custom_vjp`` in plain jnp (JAX differentiates it), as in
+:mod:`gdn_jax.ops._gdn_pallas`: the optional L2 norm of q and k, padding T to a multiple of 64
+(or, with ``cu_seqlens``, one zero-padded lane per sequence when states are asked for, else all
+sequences back to back on one lane with a state-wiping gate), and the chunk-local gate cumsum.
+Padded rows are inert: q = k = v = 0, b = w = β = 0 and a zero gate increment, so the cumulative
+gate of a padded row is that of the last valid row.
+
+Core (:func:`_core`, a ``custom_vjp`` with a frozen :class:`ChannelConfig`) on padded lanes,
+``N`` lanes of ``Tp`` rows (Tp % 64 == 0):
+
+    q, k : [N, Tp, H, K]   io dtype (bf16), l2-normalised already if asked
+    v    : [N, Tp, HV, V]  io dtype
+    G    : [N, Tp, HV, K]  f32, chunk-local inclusive cumsum of the per-channel log-decay
+    b    : GDN2: [N, Tp, HV, K] f32 erase gate;  KDA (cfg.scalar_beta): β [N, Tp, HV] f32
+    w    : GDN2: [N, Tp, HV, V] f32 write gate;  KDA: None
+    h0   : [N, HV, K, V]   f32 initial state
+  → (o [N, Tp, HV, V] io dtype, final state [N, HV, K, V] f32)
+
+**Residuals** (the tuple ``res`` handed to :func:`_backward`) are exactly the core's inputs, in this
+order: ``(q, k, v, G, b, w, h0)``; G is wrapped in ``checkpoint_name(.., GDN_GATE_CUMSUM)`` so
+remat policies can save or offload it. Nothing else is saved: the backward recomputes A, w, u (and
+qg, kg, Aqk) with :func:`pallas_kernels.channel.intra.channel_intra`
+(``ChannelIntraConfig(scalar_beta=cfg.scalar_beta, store_a=True)``; KDA passes β transposed to
+[N, HV, Tp]) and h, v_new with :func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd`
+(``store_h=True``; decay_last from :func:`decay_last`). :func:`_backward` returns the cotangents
+in the same structure: ``(dq, dk, dv, dG, db, dw, dh0)`` with dG w.r.t. the cumsum G (the
+reverse cumsum to dg happens outside, by autodiff of the glue), db [N, Tp, HV] for KDA and
+dw None for KDA.
+
+The backward is TEMPORARY: it differentiates the xla chunked core (``gdn_jax.ops._xla``) on the
+saved inputs, i.e. it re-runs the xla forward and its backward. Correct, but slow; the Pallas
+backward kernels replace the body of :func:`_backward` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from gdn_jax import remat
+from gdn_jax.ops import _xla
+from gdn_jax.reference._common import chunk_layout, from_chunks, l2norm, to_chunks
+from pallas_kernels import _compat as pk
+from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
+from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
+
+__all__ = ["CHANNEL_PALLAS", "ChannelConfig", "channel_pallas", "decay_last"]
+
+CHUNK = 64
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelConfig:
+    """Static (non-differentiable) configuration of the core.
+
+    Attributes:
+      scale: query scale.
+      scalar_beta: KDA form (b = w = β per token, b given as [N, Tp, HV], w None).
+      mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
+    """
+
+    scale: float
+    scalar_beta: bool
+    mode: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.scale, float):
+            raise TypeError(f"{self.scale=} must be a Python float")
+        if not isinstance(self.scalar_beta, bool):
+            raise TypeError(f"{self.scalar_beta=} must be a bool")
+        if self.mode not in ("auto", "gpu", "interpret"):
+            raise ValueError(f"{self.mode=} must be 'auto', 'gpu' or 'interpret'")
+
+
+def _kernels(cfg: ChannelConfig):
+    """Context that makes the kernels traced inside it use the configured execution mode."""
+    return pk.use_mode(cfg.mode)
+
+
+def decay_last(G: jax.Array) -> jax.Array:
+    """e^{G_last} per chunk and key channel: [N, Tp, HV, K] f32 -> [N, HV, Tp/64, K] f32."""
+    N, Tp, HV, K = G.shape
+    return jnp.exp(G.reshape(N, Tp // CHUNK, CHUNK, HV, K)[:, :, -1]).transpose(0, 2, 1, 3)
+
+
+def kernel_beta(b: jax.Array) -> jax.Array:
+    """KDA's β as the intra kernel reads it: [N, Tp, HV] -> [N, HV, Tp] (TMA needs unit stride)."""
+    return b.transpose(0, 2, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp core on padded lanes (shapes in the module docstring)
+
+
+def _forward(cfg: ChannelConfig, q, k, v, G, b, w, h0):
+    with _kernels(cfg):
+        icfg = ChannelIntraConfig(scalar_beta=cfg.scalar_beta)
+        bk = kernel_beta(b) if cfg.scalar_beta else b
+        qg, kg, wk, u, aqk = channel_intra(q, k, v, G, bk, w, icfg)
+        o, ht = channel_chunk_fwd(
+            qg, kg, wk, u, aqk, decay_last(G), h0, ChannelFwdConfig(scale=cfg.scale)
+        )
+    return o, ht
+
+
+def _core_fwd(cfg, q, k, v, G, b, w, h0):
+    o, ht = _forward(cfg, q, k, v, G, b, w, h0)
+    G = checkpoint_name(G, remat.GDN_GATE_CUMSUM)
+    return (o, ht), (q, k, v, G, b, w, h0)
+
+
+def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
+    """The same core computed by the xla chunked path (o in f32). Used by the temporary backward."""
+    N, Tp, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    nt = Tp // CHUNK
+    ch = lambda x: x.reshape((N, nt, CHUNK) + x.shape[2:])
+    Gc = ch(G)
+    # per-token increments back from the chunk-local cumsum (linear, so dG follows by autodiff)
+    gc = Gc - jnp.pad(Gc[:, :, :-1], [(0, 0), (0, 0), (1, 0), (0, 0), (0, 0)])
+    rep = HV // H
+    qc, kc = ch(jnp.repeat(q, rep, axis=2)), ch(jnp.repeat(k, rep, axis=2))
+    if cfg.scalar_beta:
+        bc = wc = ch(b[..., None])
+    else:
+        bc, wc = ch(b), ch(w)
+    layout = chunk_layout(N, Tp, CHUNK, None)
+    xcfg = _xla.ChunkConfig(scale=cfg.scale, dtype=jnp.dtype(v.dtype).name)
+    o, ht = _xla.chunked_core(xcfg, qc, kc, ch(v), gc, bc, wc, h0, layout)
+    return o.reshape(N, Tp, HV, V), ht
+
+
+def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
+    """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0)`` (structure of ``res``).
+
+    TEMPORARY PATH: differentiates the xla chunked core on the saved inputs (re-running the xla
+    forward, then its backward). The Pallas backward kernels replace this body.
+
+    Args:
+      cfg: the core's :class:`ChannelConfig`.
+      res: ``(q, k, v, G, b, w, h0)`` as described in the module docstring.
+      cts: ``(do [N, Tp, HV, V] io dtype, dht [N, HV, K, V] f32)``.
+    """
+    q, k, v, G, b, w, h0 = res
+    do, dht = cts
+    _, vjp = jax.vjp(functools.partial(_xla_core, cfg), q, k, v, G, b, w, h0)
+    return vjp((do.astype(f32), dht.astype(f32)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
+    return _forward(cfg, q, k, v, G, b, w, h0)
+
+
+# No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
+# (and the interpreter's ordered host callbacks reject it).
+_core.defvjp(_core_fwd, _backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# public glue
+
+
+def _unsupported(q, v, chunk_size) -> str | None:
+    if q.dtype != jnp.bfloat16:
+        # f16 would stage the f32 state as an f16 tensor-core operand (max 65504): DESIGN §3
+        # forbids it, so f16 (like f32) runs on "xla".
+        return f"{q.dtype=}: the Pallas kernels take bf16 (f16 and f32 run on 'xla')"
+    if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
+        return f"{q.shape=} {v.shape=}: the Pallas kernels need K == V in {{64, 128}}"
+    if chunk_size != CHUNK:
+        return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
+    mode = pk.execution_mode()
+    if mode == "auto" and not pk.is_hopper():
+        return "no Hopper GPU (and the Mosaic GPU interpreter was not requested)"
+    return None
+
+
+def _lanes(xs, cu_seqlens, T: int, Tp: int):
+    """One zero-padded lane per batch row (dense) or per packed sequence: [N, Tp, ...] each."""
+    if cu_seqlens is None:
+        return [jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
+    cu = cu_seqlens.astype(jnp.int32)
+    t = jnp.arange(Tp, dtype=jnp.int32)
+    tok = cu[:-1, None] + t[None, :]  # [N, Tp]
+    valid = tok < cu[1:, None]
+    tok = jnp.where(valid, tok, 0)
+
+    def lane(x):
+        y = jnp.take(x[0], tok, axis=0)
+        m = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+        return jnp.where(m, y, jnp.zeros((), x.dtype))
+
+    return [lane(x) for x in xs]
+
+
+def _cumsum(g: jax.Array) -> jax.Array:
+    """Chunk-local cumsum over the row axis of [N, Tp, ...] (f32)."""
+    N, Tp = g.shape[:2]
+    Gc = jnp.cumsum(g.astype(f32).reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:]), axis=2)
+    return Gc.reshape(g.shape)
+
+
+# log-decay added to the first token of every packed sequence on the single lane: e^{-200}
+# underflows to 0 in f32, so the carried state is wiped; the gate differences inside the chunk
+# (all the kernels use besides e^{G}) are unchanged
+_WIPE = -200.0
+
+
+def channel_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    b: jax.Array,
+    w: jax.Array,
+    *,
+    scale: float,
+    initial_state: jax.Array | None,
+    output_final_state: bool,
+    use_qk_l2norm: bool,
+    cu_seqlens: jax.Array | None,
+    chunk_size: int,
+) -> tuple[jax.Array, jax.Array | None]:
+    """GDN2 / KDA on the Mosaic GPU kernels; inputs already validated by the public op.
+
+    Args:
+      q, k: [B, T, H, K] bf16; v: [B, T, HV, V] bf16.
+      g: [B, T, HV, K] f32 per-channel log-decay.
+      b: [B, T, HV, K] f32 erase gate, or [B, T, HV, 1] (KDA's β, broadcast).
+      w: [B, T, HV, V] f32 write gate, or [B, T, HV, 1] (KDA's β).
+      scale, initial_state ([N, HV, K, V] f32 or None), output_final_state, use_qk_l2norm,
+      cu_seqlens ([N + 1] int32, B == 1), chunk_size (64): as the public ops.
+    Returns:
+      (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] f32 or None).
+    Raises:
+      NotImplementedError: dtype/head size/chunk size/platform not served by these kernels.
+    """
+    why = _unsupported(q, v, chunk_size)
+    if why is not None:
+        raise NotImplementedError(why)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scalar = b.shape[-1] == 1 and w.shape[-1] == 1
+    if scalar:
+        b, w = b[..., 0].astype(f32), None  # KDA: b and w are the same β; read it once
+    else:
+        b = jnp.broadcast_to(b, (B, T, HV, K)).astype(f32)
+        w = jnp.broadcast_to(w, (B, T, HV, V)).astype(f32)
+    g = jnp.broadcast_to(g, (B, T, HV, K)).astype(f32)
+    cfg = ChannelConfig(scale=float(scale), scalar_beta=scalar, mode=pk.execution_mode())
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    xs = [q, k, v, g, b] + ([] if scalar else [w])
+
+    if cu_seqlens is not None and initial_state is None and not output_final_state:
+        # all sequences back to back on one lane, each starting at a chunk boundary
+        layout = chunk_layout(1, T, CHUNK, cu_seqlens)
+        nc = layout.token.shape[1]
+        rows = nc * CHUNK
+        lane = lambda x: to_chunks(x, layout).reshape((1, rows) + x.shape[2:])
+        xp = [lane(x) for x in xs]
+        first = jnp.zeros((nc, CHUNK), f32).at[:, 0].set(jnp.where(layout.first[0], _WIPE, 0.0))
+        xp[3] = xp[3] + first.reshape(1, rows, 1, 1)
+        h0 = jnp.zeros((1, HV, K, V), f32)
+    else:
+        Tp = -(-T // CHUNK) * CHUNK
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        xp = _lanes(xs, cu_seqlens, T, Tp)
+        h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    qp, kp, vp, gp, bp = xp[:5]
+    wp = None if scalar else xp[5]
+    o, ht = _core(cfg, qp, kp, vp, _cumsum(gp), bp, wp, h0)
+
+    if cu_seqlens is None:
+        o = o[:, :T]
+    elif initial_state is None and not output_final_state:
+        o = from_chunks(o.reshape((1, -1, CHUNK) + o.shape[2:]), layout, 1, T)
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
+        tt = jnp.arange(T, dtype=jnp.int32)
+        seq = jnp.searchsorted(cu, tt, side="right").astype(jnp.int32) - 1
+        o = o[seq, tt - cu[seq]][None]
+    return o.astype(v.dtype), (ht if output_final_state else None)
+
+
+CHANNEL_PALLAS = {"kda": channel_pallas, "gdn2": channel_pallas}

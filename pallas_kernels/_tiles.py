@@ -1,0 +1,59 @@
+"""Register-tile building blocks shared by kernel stages (Mosaic GPU, one warpgroup).
+
+Kept apart from :mod:`pallas_kernels._compat` (version-dependent API) and from the stage modules:
+these are pieces of algorithms (a triangular inverse, per-row vector loads of a 2-D SMEM tile)
+that more than one stage family uses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels._compat import plgpu
+
+__all__ = ["unit_lower_inverse", "col_vec_row"]
+
+
+def unit_lower_inverse(L: jax.Array, x_s, oy_s, dtype) -> jax.Array:
+    """``(I + L)⁻¹`` of a strictly lower triangular [C, C] f32 register tile (C = 64).
+
+    Block doubling ``X ← X − X (O_s X)`` for s = 1, 2, …, 32, where O_s is L restricted to the
+    lower-left s×s block of each 2s×2s diagonal block: every intermediate is a block of the true
+    inverse, so magnitudes stay bounded (the product form (I−L)(I+L²)… is numerically unusable,
+    mosaic notes §2). Wgmma operands are ``dtype`` (16-bit), everything else f32.
+
+    Args:
+      L: [C, C] f32 in the WGMMA layout, zero on and above the diagonal.
+      x_s, oy_s: [C, C] ``dtype`` SMEM scratch tiles (swizzled).
+      dtype: the 16-bit operand dtype.
+    Returns:
+      X = (I + L)⁻¹, [C, C] f32 (unit lower triangular).
+    """
+    C = L.shape[0]
+    row = cp.iota((C, C), 0)
+    col = cp.iota((C, C), 1)
+
+    def level_mask(lg):
+        hi = lax.shift_right_logical(row, lg + 1) == lax.shift_right_logical(col, lg + 1)
+        lo = lax.shift_right_logical(row, lg) != lax.shift_right_logical(col, lg)
+        return hi & lo
+
+    eye = jnp.where(row == col, 1.0, 0.0)
+    X = eye - jnp.where(level_mask(0), L, 0.0)  # level s = 1: X_1 = I, so X_2 = I − O_1
+    for lg in range(1, C.bit_length() - 1):
+        oy_s[...] = jnp.where(level_mask(lg), L, 0.0).astype(dtype)
+        x_s[...] = X.astype(dtype)
+        plgpu.commit_smem()
+        Y = cp.matmul(oy_s, x_s, (C, C))  # O_s X_s
+        oy_s[...] = Y.astype(dtype)
+        plgpu.commit_smem()
+        X = X - cp.matmul(x_s, oy_s, (C, C))  # X_s (O_s X_s)
+    return X
+
+
+def col_vec_row(ref, i: int) -> jax.Array:
+    """Row ``i`` of a 2-D unswizzled f32 SMEM ref as a column-broadcast vector (``v[None, :]``)."""
+    return plgpu.load(ref.at[i], layout=plgpu.Layout.WGMMA.reduce(0))

@@ -1,0 +1,265 @@
+"""Stage 2 of chunked GDN2 / KDA: the intra-chunk WY representation with a decay per key channel.
+
+One CTA (one warpgroup) per (chunk, value head, batch row). Per chunk of C = 64 rows, with G the
+chunk-local cumulative log-decay per key channel ([C, K], natural log, f32), b the erase gate and
+w_gate the write gate (KDA: b = w_gate = β per token), it computes the stages of
+:func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
+
+    L_ij   = Σ_d b_id k_id k_jd e^{G_id − G_jd}   (i > j)          [C, C] f32
+    A      = (I + L)⁻¹                     block-doubling inverse
+    w      = A (b ⊙ e^{G} ⊙ k)                                     [C, K]
+    u      = A (w_gate ⊙ v)                                        [C, V]
+    Aqk_ij = Σ_d q_id k_jd e^{G_id − G_jd}   (i ≥ j)               [C, C]
+    qg     = q ⊙ e^{G},   kg = k ⊙ e^{G_last − G}                  [C, K]
+
+The decay sits inside the K contraction, so it is factored onto the operands around a reference row
+per 16-row sub-chunk I: rows i of I get ``x_i e^{G_i − r_I}`` and columns j ≤ end(I) get
+``k_j e^{r_I − G_j}``; one wgmma per sub-chunk accumulates ``L`` (and ``Aqk``), whose row operand
+is zero outside I. For columns in earlier sub-chunks the column factor is ≤ 1 (G is non-increasing).
+The reference row is the sub-chunk's middle row (row 8), so inside the diagonal 16×16 block every
+factor is bounded by e^{8·|g|max}: finite and accurate for per-token log-decays down to about −10
+(e^{80} < f32/bf16 max), which covers the required −5 per token with margin. Exponents of rows or
+columns a sub-chunk does not use are masked to 0 *before* ``exp``.
+
+Precision: K-contractions, A and every accumulation in f32; wgmma operands (the factored k, q,
+A, the gated v) are 16-bit. Outputs are stored in the io dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels import _tiles
+from pallas_kernels._compat import pl, plgpu
+
+CHUNK = 64
+SUB = 16  # rows per sub-chunk of the decay factoring
+NSUB = CHUNK // SUB
+MID = SUB // 2  # reference row inside each sub-chunk
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelIntraConfig:
+    """Static configuration of :func:`channel_intra`.
+
+    Attributes:
+      scalar_beta: KDA: the erase and write gates are one β per (token, value head), given as
+        [B, HV, T]; otherwise (GDN2) b [B, T, HV, K] and w_gate [B, T, HV, V].
+      store_a: also write A (16-bit) for the backward.
+    """
+
+    scalar_beta: bool = False
+    store_a: bool = False
+
+    def __post_init__(self):
+        for name in ("scalar_beta", "store_a"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ChannelIntraConfig.{name}={getattr(self, name)!r} must be a bool")
+
+
+def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
+    if cfg.scalar_beta:
+        q_g, k_g, v_g, G_g, gr_g, gl_g, be_g = refs[:7]
+        b_g = wg_g = None
+        outs = refs[7:]
+    else:
+        q_g, k_g, v_g, G_g, gr_g, gl_g, b_g, wg_g = refs[:8]
+        be_g = None
+        outs = refs[8:]
+    qg_g, kg_g, w_g, u_g, aqk_g = outs[:5]
+    a_g = outs[5] if cfg.store_a else None
+    C = CHUNK
+    c = lax.axis_index("c")
+    hv = lax.axis_index("h")
+    b = lax.axis_index("b")
+    hk = hv // group  # GVA: value head hv reads q/k head hv // (HV // H)
+    K, V = k_g.shape[-1], v_g.shape[-1]
+    dt = k_g.dtype
+    rows = pl.ds(c * C, C)
+    scalar = cfg.scalar_beta
+
+    def scoped(q_s, k_s, v_s, G_s, gr_s, gl_s, gate_s, a_s, a2_s, c_s, x_s, oy_s, aqk_s, bar):
+        b_s, wg_s, be_s = (None, None, gate_s) if scalar else (gate_s[0], gate_s[1], None)
+        copies = [
+            (q_g.at[b, rows, hk, :], q_s),
+            (k_g.at[b, rows, hk, :], k_s),
+            (v_g.at[b, rows, hv, :], v_s),
+            (G_g.at[b, rows, hv, :], G_s),
+            (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), :], gr_s),
+            (gl_g.at[b, hv, c, :], gl_s),
+        ]
+        if scalar:
+            copies.append((be_g.at[b, hv, rows], be_s))
+        else:
+            copies += [(b_g.at[b, rows, hv, :], b_s), (wg_g.at[b, rows, hv, :], wg_s)]
+        for i, (src, dst) in enumerate(copies):
+            plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+        for i in range(len(copies)):
+            plgpu.barrier_wait(bar.at[i])
+
+        blk = lax.shift_right_logical(cp.iota((C, K), 0), 4)  # sub-chunk of each row
+        Gt = cp.load_tile(G_s)
+        kt = cp.load_tile(k_s).astype(f32)
+        qt = cp.load_tile(q_s).astype(f32)
+        bk = kt if scalar else cp.load_tile(b_s) * kt
+
+        # L and Aqk: one factored product per sub-chunk I (rows of I only, columns up to I's end)
+        L = P = None
+        for I in range(NSUB):
+            d = Gt - cp.bcast_cols(_tiles.col_vec_row(gr_s, I), (C, K))
+            in_i = blk == I
+            upto = blk <= I
+            e_row = jnp.exp(jnp.where(in_i, d, 0.0))
+            a_s[...] = jnp.where(in_i, bk * e_row, 0.0).astype(dt)
+            a2_s[...] = jnp.where(in_i, qt * e_row, 0.0).astype(dt)
+            c_s[...] = jnp.where(upto, kt * jnp.exp(jnp.where(upto, -d, 0.0)), 0.0).astype(dt)
+            plgpu.commit_smem()
+            li = cp.matmul(a_s, c_s.T, (C, C))
+            pi = cp.matmul(a2_s, c_s.T, (C, C))
+            L = li if L is None else L + li
+            P = pi if P is None else P + pi
+
+        row = cp.iota((C, C), 0)
+        col = cp.iota((C, C), 1)
+        aqk_s[...] = jnp.where(row >= col, P, 0.0).astype(dt)
+        L = jnp.where(row > col, L, 0.0)
+        if scalar:
+            L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
+        # qg = q e^{G} and kg = k e^{G_last − G}: both factors ≤ 1
+        eG = jnp.exp(Gt)
+        a2_s[...] = (qt * eG).astype(dt)
+        gl = cp.bcast_cols(cp.col_vec(gl_s, K), (C, K))
+        c_s[...] = (kt * jnp.exp(gl - Gt)).astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(aqk_s, aqk_g.at[b, rows, hv, :])
+        plgpu.copy_smem_to_gmem(a2_s, qg_g.at[b, rows, hv, :])
+        plgpu.copy_smem_to_gmem(c_s, kg_g.at[b, rows, hv, :])
+
+        X = _tiles.unit_lower_inverse(L, x_s, oy_s, dt)
+
+        if cfg.store_a:
+            x_s[...] = X.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(x_s, a_g.at[b, rows, hv, :])
+        # w = A (b ⊙ e^G ⊙ k); KDA scales A's columns by β instead of the operand's rows
+        a_s[...] = (bk * eG).astype(dt)
+        if scalar:
+            be_c = cp.col_vec(be_s, C)
+            oy_s[...] = (X * cp.bcast_cols(be_c, (C, C))).astype(dt)
+        else:
+            oy_s[...] = X.astype(dt)
+        plgpu.commit_smem()
+        q_s[...] = cp.matmul(oy_s, a_s, (C, K)).astype(dt)  # q_s is free: q lives in qt
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, w_g.at[b, rows, hv, :])
+        # u = A (w_gate ⊙ v)
+        if scalar:
+            rhs = v_s
+        else:
+            a_s[...] = (cp.load_tile(wg_s) * cp.load_tile(v_s).astype(f32)).astype(dt)
+            plgpu.commit_smem()
+            rhs = a_s
+        u = cp.matmul(oy_s, rhs, (C, V))
+        k_s[...] = u.astype(dt)  # k_s is free: k lives in kt
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, u_g.at[b, rows, hv, :])
+        plgpu.wait_smem_to_gmem(0)
+
+    gate = cp.smem((C,), f32) if scalar else (cp.smem((C, K), f32), cp.smem((C, V), f32))
+    n_bar = 7 if scalar else 8
+    pl.run_scoped(
+        scoped,
+        cp.smem((C, K), dt),  # q, later w
+        cp.smem((C, K), dt),  # k, later u
+        cp.smem((C, V), dt),  # v
+        cp.smem((C, K), f32),  # G
+        cp.smem((NSUB, K), f32, swizzled=False),  # reference rows
+        cp.smem((K,), f32),  # G_last
+        gate,
+        cp.smem((C, K), dt),  # row operand (L), later the w and u right operands
+        cp.smem((C, K), dt),  # row operand (Aqk), later qg
+        cp.smem((C, K), dt),  # column operand, later kg
+        cp.smem((C, C), dt),
+        cp.smem((C, C), dt),
+        cp.smem((C, C), dt),  # Aqk
+        plgpu.Barrier(num_barriers=n_bar),
+    )
+
+
+def reference_rows(G: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The per-sub-chunk reference rows and the chunk's last row of the gate cumsum.
+
+    Args:
+      G: [B, T, HV, K] f32 chunk-local cumulative log-decay, T a multiple of 64.
+    Returns:
+      gr: [B, HV, T/16, K] f32, G at row 8 of every 16-row sub-chunk;
+      gl: [B, HV, T/64, K] f32, G at the last row of every chunk (G_last).
+    """
+    B, T, HV, K = G.shape
+    gr = G.reshape(B, T // SUB, SUB, HV, K)[:, :, MID].transpose(0, 2, 1, 3)
+    gl = G.reshape(B, T // CHUNK, CHUNK, HV, K)[:, :, -1].transpose(0, 2, 1, 3)
+    return gr, gl
+
+
+def channel_intra(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    G: jax.Array,
+    b: jax.Array,
+    w_gate: jax.Array | None,
+    config: ChannelIntraConfig = ChannelIntraConfig(),
+) -> tuple[jax.Array, ...]:
+    """Computes qg, kg, w, u, Aqk (and optionally A) for every chunk.
+
+    Args:
+      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
+      v: [B, T, HV, V], same dtype; HV % H == 0; V == K.
+      G: [B, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
+      b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
+        Padded rows zero.
+      w_gate: GDN2: [B, T, HV, V] f32 write gate (padded rows zero); KDA: None.
+      config: :class:`ChannelIntraConfig`.
+    Returns:
+      qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] = k e^{G_last − G}; w [B, T, HV, K];
+      u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c holds Aqk[t − 64c, :]); all in
+      k.dtype; if ``config.store_a`` also A [B, T, HV, 64] (same row layout).
+    """
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if T % CHUNK:
+        raise ValueError(f"{k.shape=}: T must be a multiple of {CHUNK}")
+    if V != K:
+        raise ValueError(f"{k.shape=} {v.shape=}: the kernel needs V == K")
+    if config.scalar_beta != (w_gate is None):
+        raise ValueError("w_gate must be None exactly when config.scalar_beta")
+    gr, gl = reference_rows(G)
+    dt = k.dtype
+    out_type = [
+        jax.ShapeDtypeStruct((B, T, HV, K), dt),
+        jax.ShapeDtypeStruct((B, T, HV, K), dt),
+        jax.ShapeDtypeStruct((B, T, HV, K), dt),
+        jax.ShapeDtypeStruct((B, T, HV, V), dt),
+        jax.ShapeDtypeStruct((B, T, HV, CHUNK), dt),
+    ]
+    if config.store_a:
+        out_type.append(jax.ShapeDtypeStruct((B, T, HV, CHUNK), dt))
+
+    def body(*refs):
+        _intra_body(*refs, cfg=config, group=HV // H)
+
+    fn = cp.kernel(
+        body,
+        out_type=tuple(out_type),
+        grid=(T // CHUNK, HV, B),
+        grid_names=("c", "h", "b"),
+        name="chan_intra",
+    )
+    ins = (q, k, v, G, gr, gl, b) if config.scalar_beta else (q, k, v, G, gr, gl, b, w_gate)
+    return tuple(fn(*ins))
