@@ -94,21 +94,66 @@ def reset_interpreter() -> None:
 
 
 def kernel(
-    body: Callable, *, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], name: str
+    body: Callable,
+    *,
+    out_type,
+    grid: tuple[int, ...],
+    grid_names: tuple[str, ...],
+    name: str,
+    input_output_aliases: dict[int, int] | None = None,
 ):
     """``plgpu.kernel`` with one warpgroup per CTA, interpreted when the mode says so.
 
     ``name`` becomes the kernel's symbol (it shows up in profiles and in the lowered module).
+    ``input_output_aliases`` ({input index: output index}, as for ``pallas_call``): that output
+    is written into the input's buffer. ``out_type`` still lists it and the body still gets an
+    output ref for it (the same ref as the input), so kernels are written as without aliasing.
+    ``plgpu.kernel`` has no such argument on jax 0.11.2: the input travels as a mutable
+    ``jax.Ref``, whose discharge aliases it to a kernel output (a donated argument then updates
+    in place, with no copy).
     """
     interpret = interpret_params() if execution_mode() == "interpret" else None
-    return plgpu.kernel(
-        body,
-        out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
-        interpret=interpret,
-        kernel_name=name,
-    )
+    if not input_output_aliases:
+        return plgpu.kernel(
+            body,
+            out_type=out_type,
+            grid=grid,
+            grid_names=grid_names,
+            interpret=interpret,
+            kernel_name=name,
+        )
+    single = not isinstance(out_type, (tuple, list))
+    out_types = (out_type,) if single else tuple(out_type)
+    aliases = dict(input_output_aliases)
+    if len(set(aliases.values())) != len(aliases):
+        raise ValueError(f"{input_output_aliases=}: an output can alias one input only")
+    kept = [j for j in range(len(out_types)) if j not in aliases.values()]
+
+    def call(*args):
+        n_in = len(args)
+        refs = {i: jax.new_ref(args[i]) for i in aliases}
+        args = [refs.get(i, a) for i, a in enumerate(args)]
+
+        def wrapped(*all_refs):
+            ins = all_refs[:n_in]
+            outs = dict(zip(kept, all_refs[n_in:], strict=True))
+            outs.update({j: ins[i] for i, j in aliases.items()})
+            body(*ins, *(outs[j] for j in range(len(out_types))))
+
+        res = plgpu.kernel(
+            wrapped,
+            out_type=tuple(out_types[j] for j in kept),
+            grid=grid,
+            grid_names=grid_names,
+            interpret=interpret,
+            kernel_name=name,
+        )(*args)
+        res = dict(zip(kept, res, strict=True))
+        res.update({j: refs[i][...] for i, j in aliases.items()})
+        outs = tuple(res[j] for j in range(len(out_types)))
+        return outs[0] if single else outs
+
+    return call
 
 
 def transforms_for(cols: int, dtype) -> tuple:

@@ -284,7 +284,12 @@ class GatedDeltaNet(nnx.Module):
         chunked, step = (fp8_lib.fp8_free(op) for op in _OPS[self.variant])
         args = (*self._heads(q, k, v), *self._gates(x))
         if x.shape[1] == 1:
-            o, state = step(*args, cache.state, use_qk_l2norm=self.use_qk_l2norm)
+            o, state = step(
+                *args,
+                cache.state,
+                use_qk_l2norm=self.use_qk_l2norm,
+                implementation=self.implementation,
+            )
         else:
             o, state = chunked(
                 *args,

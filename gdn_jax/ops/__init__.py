@@ -334,6 +334,48 @@ def _check_step(q, k, v, state):
     return B, T, H, HV, K, V
 
 
+def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk_l2norm):
+    """Runs a decode step in GDN2 form (g, b scalar [B, T, HV] or channel; w None = scalar b)."""
+    K = q.shape[-1]
+    scale = _scale(K, scale)
+
+    def run_xla():
+        ge = g if g.ndim == 4 else g[..., None]
+        be = b if b.ndim == 4 else b[..., None]
+        return _rec.recurrent_step(
+            q, k, v, ge, be, be if w is None else w, state, scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+        )  # fmt: skip
+
+    def run_pallas():
+        from gdn_jax.ops._step_pallas import step_pallas
+
+        return step_pallas(q, k, v, g, b, w, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+    # the chunked ops' selector semantics (_run), with the decode kernel as the Pallas entry
+    if implementation is None:
+        order = default_implementations()
+    elif isinstance(implementation, str):
+        order = (implementation,)
+    else:
+        order = tuple(implementation)
+    for name in order:
+        if name not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be None, one of {IMPLEMENTATIONS} or a sequence of them; "
+                f"got {name!r}"
+            )
+    errors = []
+    for name in order:
+        try:
+            return run_xla() if name == "xla" else run_pallas()
+        except NotImplementedError as e:
+            errors.append(e)
+    raise ExceptionGroup(
+        f"no implementation of {variant}_step could serve these arguments (tried {order})", errors
+    )
+
+
 def gated_delta_rule_step(
     q: jax.Array,
     k: jax.Array,
@@ -344,24 +386,29 @@ def gated_delta_rule_step(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    implementation: str | Sequence[str] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode: append T ≥ 1 tokens of each of B sequences to their carried f32 states.
 
     Args:
       q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; state: [B, HV, K, V] f32.
       scale, use_qk_l2norm: as :func:`gated_delta_rule`.
+      implementation: None (best for the platform), "pallas" (the Mosaic GPU decode kernel:
+        K, V in {64, 128}, T ≤ 64, HV % 4 == 0 for scalar gates), "xla" (the token recurrence),
+        or a sequence tried in order.
 
     Returns:
       o [B, T, HV, V] in v.dtype, new state [B, HV, K, V] f32. Jit with the state donated
-      (``donate_argnums``) to update it in place.
+      (``donate_argnums``) to update it in place: the Pallas kernel then writes the new state
+      into the donated buffer (read and written once, no copy).
     """
     B, T, H, HV, K, V = _check_step(q, k, v, state)
     val.check_gate("g", g, (B, T, HV))
     val.check_gate("beta", beta, (B, T, HV))
-    b = beta.astype(jnp.float32)[..., None]
-    return _rec.recurrent_step(
-        q, k, v, g.astype(jnp.float32)[..., None], b, b, state, scale=_scale(K, scale),
-        use_qk_l2norm=use_qk_l2norm,
+    f = jnp.float32
+    return _run_step(
+        "gdn", implementation, q, k, v, g.astype(f), beta.astype(f), None, state,
+        scale=scale, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip
 
 
@@ -375,15 +422,19 @@ def kda_step(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    implementation: str | Sequence[str] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Decode for :func:`kda`: g [B, T, HV, K], beta [B, T, HV], state [B, HV, K, V] f32."""
+    """Decode for :func:`kda`: g [B, T, HV, K], beta [B, T, HV], state [B, HV, K, V] f32.
+
+    Other arguments and the return value as :func:`gated_delta_rule_step`.
+    """
     B, T, H, HV, K, V = _check_step(q, k, v, state)
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("beta", beta, (B, T, HV))
-    b = beta.astype(jnp.float32)[..., None]
-    return _rec.recurrent_step(
-        q, k, v, g.astype(jnp.float32), b, b, state, scale=_scale(K, scale),
-        use_qk_l2norm=use_qk_l2norm,
+    f = jnp.float32
+    return _run_step(
+        "kda", implementation, q, k, v, g.astype(f), beta.astype(f), None, state,
+        scale=scale, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip
 
 
@@ -398,14 +449,18 @@ def gdn2_step(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    implementation: str | Sequence[str] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Decode for :func:`gdn2`: g, b [B, T, HV, K], w [B, T, HV, V], state [B, HV, K, V] f32."""
+    """Decode for :func:`gdn2`: g, b [B, T, HV, K], w [B, T, HV, V], state [B, HV, K, V] f32.
+
+    Other arguments and the return value as :func:`gated_delta_rule_step`.
+    """
     B, T, H, HV, K, V = _check_step(q, k, v, state)
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("b", b, (B, T, HV, K))
     val.check_gate("w", w, (B, T, HV, V))
     f = jnp.float32
-    return _rec.recurrent_step(
-        q, k, v, g.astype(f), b.astype(f), w.astype(f), state, scale=_scale(K, scale),
-        use_qk_l2norm=use_qk_l2norm,
+    return _run_step(
+        "gdn2", implementation, q, k, v, g.astype(f), b.astype(f), w.astype(f), state,
+        scale=scale, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip

@@ -1,0 +1,288 @@
+"""Pallas Mosaic GPU decode kernel (gated_delta_rule_step / kda_step / gdn2_step).
+
+CPU: the kernel under the Mosaic GPU interpreter at tiny shapes against the f32 token recurrence
+(the xla step on upcast inputs), extreme gates, the selector, donation/aliasing and the CUDA
+lowering. GPU (``-m gpu``, H200): serving shapes against the f32 recurrence with the 2x rule of
+DESIGN §7, the state updated in place (same buffer, no copy in the compiled HLO), and packed
+prefill followed by decode steps equal to one long prefill.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_jax
+from gdn_jax.ops._step_pallas import step_pallas
+from gdn_jax.testing import random_inputs, rel_rms, upcast
+from pallas_kernels import _compat as pk
+
+STEPS = {"gdn": gdn_jax.gated_delta_rule_step, "kda": gdn_jax.kda_step, "gdn2": gdn_jax.gdn2_step}
+VARIANTS = tuple(STEPS)
+
+
+def _inputs(variant, seed, *, B, T, H, HV, D, dtype=jnp.bfloat16, gate_scale=1.0):
+    x = random_inputs(
+        seed, B=B, T=T, H=H, HV=HV, K=D, V=D, variant=variant, dtype=dtype, gate_scale=gate_scale
+    )
+    gates = (x["b"], x["w"]) if variant == "gdn2" else (x["beta"],)
+    return (x["q"], x["k"], x["v"], x["g"], *gates), x["initial_state"]
+
+
+def _step(variant, args, state, implementation, **kw):
+    return STEPS[variant](*args, state, use_qk_l2norm=True, implementation=implementation, **kw)
+
+
+def _check(variant, args, state, *, tight: bool):
+    """Pallas vs the f32 recurrence on the same (rounded) inputs, and the 2x rule on o."""
+    ref32 = _step(variant, upcast(args), state, "xla")
+    ref_lo = _step(variant, args, state, "xla")
+    got = _step(variant, args, state, "pallas")
+    assert got[0].dtype == args[2].dtype and got[1].dtype == jnp.float32
+    report = []
+    for name, a, lo, r in zip(("o", "state"), got, ref_lo, ref32, strict=True):
+        err, budget = rel_rms(a, r), rel_rms(lo, r)
+        report.append(f"{name}: {err:.2e} (ref in io dtype {budget:.2e})")
+        assert err <= 2 * budget + 1e-5, "; ".join(report)
+    # the kernel computes in f32: its state matches the f32 recurrence on the same inputs tightly
+    if tight:
+        assert rel_rms(got[1], ref32[1]) <= 1e-5, "; ".join(report)
+    print(f"{variant}: " + "; ".join(report))
+    return got
+
+
+def _interpret(fn, *a, **kw):
+    with pk.use_mode("interpret"):
+        try:
+            return fn(*a, **kw)
+        finally:
+            pk.reset_interpreter()
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: Mosaic GPU interpreter (tiny shapes: B=2, H=2, HV=4 (GVA), K=V=64)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_interpret_matches_recurrence(variant, T):
+    args, state = _inputs(variant, 0, B=2, T=T, H=2, HV=4, D=64)
+    _interpret(_check, variant, args, state, tight=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_interpret_extreme_gates(variant):
+    """g = 0 (no decay) and g = −20 (state wiped), erase/write gates 0 and 1."""
+    args, state = _inputs(variant, 1, B=2, T=3, H=2, HV=4, D=64)
+    for g_val, b_val in ((0.0, 0.0), (0.0, 1.0), (-20.0, 1.0), (-20.0, 0.0)):
+        a = list(args)
+        a[3] = jnp.full_like(a[3], g_val)
+        a[4:] = [jnp.full_like(x, b_val) for x in a[4:]]
+        o, s = _interpret(_check, variant, tuple(a), state, tight=True)
+        assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32)))) and bool(jnp.all(jnp.isfinite(s)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_interpret_other_dtypes(dtype):
+    args, state = _inputs("kda", 2, B=2, T=1, H=4, HV=4, D=64, dtype=dtype)
+    _interpret(_check, "kda", args, state, tight=True)
+
+
+def test_interpret_no_l2norm_and_scale():
+    args, state = _inputs("gdn2", 3, B=2, T=2, H=1, HV=4, D=64)
+    kw = dict(scale=0.3, use_qk_l2norm=False)
+    ref = STEPS["gdn2"](*upcast(args), state, implementation="xla", **kw)
+    got = _interpret(STEPS["gdn2"], *args, state, implementation="pallas", **kw)
+    assert rel_rms(got[1], ref[1]) <= 1e-5
+    assert rel_rms(got[0], ref[0]) <= 1e-2
+
+
+def test_interpret_donated_state_is_consumed():
+    """Jitted with the state donated, the caller's state buffer is given to the kernel."""
+    args, state = _inputs("gdn", 4, B=2, T=1, H=2, HV=4, D=64)
+    ref = _step("gdn", upcast(args), state, "xla")
+    mine = state + 0  # a buffer of our own to donate
+    with pk.use_mode("interpret"):
+        try:
+            f = jax.jit(lambda *a: _step("gdn", a[:-1], a[-1], "pallas"), donate_argnums=(5,))
+            o, s = f(*args, mine)
+        finally:
+            pk.reset_interpreter()
+    assert mine.is_deleted()
+    assert rel_rms(s, ref[1]) <= 1e-5
+
+
+def test_prefill_then_decode_interpret():
+    """Packed prefill (cu_seqlens) then two Pallas decode steps == the whole sequences at once."""
+    N, P, D, H, HV = 2, (5, 9), 64, 2, 4
+    steps = 2
+    x = random_inputs(5, B=N, T=max(P) + steps, H=H, HV=HV, K=D, V=D)
+    names = ("q", "k", "v", "g", "beta")
+    cu = jnp.asarray(np.cumsum((0,) + P), jnp.int32)
+    packed = [jnp.concatenate([x[n][i, : P[i]] for i in range(N)])[None] for n in names]
+    kw = dict(use_qk_l2norm=True, implementation="xla")
+    _, state = gdn_jax.gated_delta_rule(*packed, cu_seqlens=cu, output_final_state=True, **kw)
+    outs = []
+    for t in range(steps):  # token P[i] + t of every sequence
+        tok = [jnp.stack([x[n][i, P[i] + t] for i in range(N)])[:, None] for n in names]
+        o, state = _interpret(
+            gdn_jax.gated_delta_rule_step, *tok, state, use_qk_l2norm=True,
+            implementation="pallas",
+        )  # fmt: skip
+        outs.append(o[:, 0])
+    for i in range(N):
+        full = [x[n][i : i + 1, : P[i] + steps] for n in names]
+        o_ref, s_ref = gdn_jax.gated_delta_rule(*full, output_final_state=True, **kw)
+        for t in range(steps):
+            assert rel_rms(outs[t][i], o_ref[0, P[i] + t]) <= 1e-4
+        assert rel_rms(state[i], s_ref[0]) <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: selector, refusals, the real CUDA lowering with the state aliased
+
+
+def test_not_implemented_and_fallback():
+    args, state = _inputs("gdn", 0, B=1, T=1, H=1, HV=2, D=64)  # scalar gates need HV % 4 == 0
+    with pk.use_mode("interpret"), pytest.raises(NotImplementedError, match="HV % 4"):
+        step_pallas(*args, None, state, scale=0.125, use_qk_l2norm=False)
+    with pk.use_mode("interpret"):
+        o, s = gdn_jax.gated_delta_rule_step(*args, state, implementation=("pallas", "xla"))
+    ref = gdn_jax.gated_delta_rule_step(*args, state, implementation="xla")
+    assert np.array_equal(np.asarray(s), np.asarray(ref[1]))
+    x = random_inputs(0, B=1, T=1, H=1, HV=4, K=32, V=64)
+    bad = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    with pk.use_mode("interpret"), pytest.raises(NotImplementedError, match="K, V in"):
+        step_pallas(*bad, None, x["initial_state"], scale=0.1, use_qk_l2norm=False)
+    if not pk.is_hopper():
+        with pytest.raises(ExceptionGroup):
+            gdn_jax.gated_delta_rule_step(*args, state, implementation="pallas")
+    with pytest.raises(ValueError, match="implementation"):
+        gdn_jax.gated_delta_rule_step(*args, state, implementation="triton")
+
+
+@pytest.mark.parametrize("variant,D,HV,T", [("gdn", 128, 32, 1), ("kda", 64, 4, 3),
+                                            ("gdn2", 128, 16, 2)])  # fmt: skip
+def test_lowers_for_cuda_with_state_aliased(variant, D, HV, T):
+    B, H = 8, 4
+    bf, f = jnp.bfloat16, jnp.float32
+    S = jax.ShapeDtypeStruct
+    gk = (B, T, HV) if variant == "gdn" else (B, T, HV, D)
+    gates = [S(gk, f), S((B, T, HV, D) if variant == "gdn2" else (B, T, HV), f)]
+    if variant == "gdn2":
+        gates.append(S((B, T, HV, D), f))
+    args = [S((B, T, H, D), bf), S((B, T, H, D), bf), S((B, T, HV, D), bf), *gates]
+    state = S((B, HV, D, D), f)
+    n = len(args)
+
+    def f_(*a):
+        return _step(variant, a[:n], a[n], "pallas")
+
+    with pk.cuda_lowering_mesh():
+        txt = jax.jit(f_, donate_argnums=(n,)).trace(*args, state)
+        txt = txt.lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1 and re.search(r"\\00gdn_decode_step\\00", calls[0])
+    # the kernel writes the state operand's buffer, and the donated argument is that buffer
+    alias = re.search(r"output_operand_aliases = \[(.*?)\]\}", calls[0]).group(1)
+    assert f"output_tuple_indices = [1], operand_index = {n}" in alias, alias
+    main = next(ln for ln in txt.splitlines() if "func.func public @main" in ln)
+    assert f"%arg{n}: tensor<{B}x{HV}x{D}x{D}xf32> {{tf.aliasing_output = 1" in main, main
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (H200)
+
+GPU_CASES = [
+    # variant, B, T, H, HV
+    ("gdn", 64, 1, 16, 16),
+    ("kda", 64, 2, 16, 32),
+    ("gdn2", 64, 1, 16, 32),
+    ("gdn", 256, 3, 16, 32),
+    ("kda", 256, 1, 16, 16),
+    ("gdn2", 256, 2, 16, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,B,T,H,HV", GPU_CASES)
+def test_gpu_matches_recurrence(variant, B, T, H, HV):
+    args, state = _inputs(variant, 7, B=B, T=T, H=H, HV=HV, D=128)
+    _check(variant, args, state, tight=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_extreme_gates(variant):
+    args, state = _inputs(variant, 8, B=64, T=2, H=16, HV=16, D=128)
+    for g_val, b_val in ((0.0, 0.0), (0.0, 1.0), (-20.0, 1.0), (-20.0, 0.0)):
+        a = list(args)
+        a[3] = jnp.full_like(a[3], g_val)
+        a[4:] = [jnp.full_like(x, b_val) for x in a[4:]]
+        _check(variant, tuple(a), state, tight=False)
+
+
+@pytest.mark.gpu
+def test_gpu_state_updated_in_place():
+    """Same device buffer in and out, and no copy of the state in the compiled step."""
+    args, state = _inputs("gdn2", 9, B=64, T=1, H=16, HV=16, D=128)
+    ref = _step("gdn2", upcast(args), state, "xla")
+    n = len(args)
+    f = jax.jit(lambda *a: _step("gdn2", a[:n], a[n], "pallas"), donate_argnums=(n,))
+    hlo = f.lower(*args, state).compile().as_text()
+    shape = "f32[64,16,128,128]"
+    copies = [ln for ln in hlo.splitlines() if " copy(" in ln and shape in ln]
+    assert not copies, copies
+    mine = state + 0
+    ptr = mine.unsafe_buffer_pointer()
+    o, s = f(*args, mine)
+    assert s.unsafe_buffer_pointer() == ptr
+    assert rel_rms(s, ref[1]) <= 1e-5
+    a, b = f(*args, s + 0), f(*args, s + 0)  # deterministic
+    assert np.array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+@pytest.mark.gpu
+def test_gpu_packed_prefill_then_decode():
+    """Packed prefill (gated_delta_rule, cu_seqlens, pallas) then N Pallas decode steps equals one
+    long prefill per sequence (2x rule against the f32 recurrence)."""
+    N, D, H, HV, steps = 8, 128, 16, 32, 4
+    P = (700, 1, 64, 65, 1000, 333, 128, 2)
+    x = random_inputs(11, B=N, T=max(P) + steps, H=H, HV=HV, K=D, V=D)
+    names = ("q", "k", "v", "g", "beta")
+    cu = jnp.asarray(np.cumsum((0,) + P), jnp.int32)
+
+    def split(dtype, impl):
+        xs = {n: (x[n].astype(dtype) if n in "qkv" else x[n]) for n in names}
+        packed = [jnp.concatenate([xs[n][i, : P[i]] for i in range(N)])[None] for n in names]
+        kw = dict(use_qk_l2norm=True, implementation=impl)
+        _, state = gdn_jax.gated_delta_rule(*packed, cu_seqlens=cu, output_final_state=True, **kw)
+        outs = []
+        for t in range(steps):
+            tok = [jnp.stack([xs[n][i, P[i] + t] for i in range(N)])[:, None] for n in names]
+            o, state = gdn_jax.gated_delta_rule_step(*tok, state, **kw)
+            outs.append(o[:, 0])
+        return jnp.stack(outs, 1), state  # [N, steps, HV, V], [N, HV, K, V]
+
+    def long(dtype):
+        os, ss = [], []
+        for i in range(N):
+            full = [(x[n].astype(dtype) if n in "qkv" else x[n])[i : i + 1, : P[i] + steps]
+                    for n in names]  # fmt: skip
+            o, s = gdn_jax.reference.recurrent_gated_delta_rule(
+                *full, output_final_state=True, use_qk_l2norm=True
+            )
+            os.append(o[0, P[i] :])
+            ss.append(s[0])
+        return jnp.stack(os), jnp.stack(ss)
+
+    got = split(jnp.bfloat16, "pallas")
+    ref32, ref_lo = long(jnp.float32), long(jnp.bfloat16)
+    for name, a, lo, r in zip(("o", "state"), got, ref_lo, ref32, strict=True):
+        err, budget = rel_rms(a, r), rel_rms(lo, r)
+        print(f"{name}: {err:.2e} (bf16 reference {budget:.2e})")
+        assert err <= 2 * budget + 1e-5, (name, err, budget)
