@@ -1,0 +1,97 @@
+"""Backward of the channel-decay (GDN2 / KDA) Pallas core: the Mosaic GPU kernel sequence.
+
+Called by :func:`gdn_jax.ops._channel_pallas._backward` with the core's residuals (its inputs on
+padded lanes, see that module's docstring) and cotangents. Five launches plus small XLA glue:
+
+1. recompute qg, kg, w, u, Aqk and A        :func:`pallas_kernels.channel.intra.channel_intra`
+2. recompute h (state entering each chunk) and v_new
+                                            :func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd`
+3. reverse state-gradient loop: dh per chunk, dv2 = dL/dv_new, dh0
+                                            :func:`pallas_kernels.channel.bwd_dh.channel_bwd_dh`
+4. dq, dk (output/state parts), dw (WY), dG pieces, per chunk
+                                            :func:`pallas_kernels.channel.bwd_dqkw.channel_bwd_dqkw`
+5. through the WY representation and A: dk, dv, dG, db, dw_gate (KDA: dβ), per chunk
+                                            :func:`pallas_kernels.channel.bwd_wy.channel_bwd_wy`
+
+XLA only sums the GVA value heads of a q/k head, the dG pieces, and adds the chunk-last-row term
+e^{G_last} ⊙ Σ_v h ⊙ dh (the gradient of the state's decay). The gradient w.r.t. the per-token
+gate g is the reverse chunk-local cumsum of dG, done by autodiff of the caller's cumsum.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.channel.bwd_dh import ChannelBwdDhConfig, channel_bwd_dh
+from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
+from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
+from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
+from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
+
+__all__ = ["channel_backward_pallas"]
+
+CHUNK = 64
+f32 = jnp.float32
+
+
+def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float):
+    """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
+
+    Args:
+      q, k: [N, T, H, K] io dtype (bf16); v: [N, T, HV, V] io dtype; K == V in {64, 128}.
+      G: [N, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
+      b: GDN2: [N, T, HV, K] f32 erase gate; KDA: β [N, T, HV] f32 (then ``w`` is None).
+      w: GDN2: [N, T, HV, V] f32 write gate; KDA: None.
+      h0: [N, HV, K, V] f32 initial state.
+      do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state.
+      scale: the output scale.
+    Returns:
+      (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
+      db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32).
+    """
+    N, T, H, K = q.shape
+    HV = v.shape[2]
+    grp = HV // H
+    nt = T // CHUNK
+    dt = q.dtype
+    scalar = w is None
+    do = do.astype(dt)
+    dht = dht.astype(f32)
+    gr, gl = reference_rows(G)
+    egl = jnp.exp(gl)
+    bk = b.transpose(0, 2, 1) if scalar else b  # KDA: β as [N, HV, T] (TMA unit stride)
+
+    icfg = ChannelIntraConfig(scalar_beta=scalar, store_a=True)
+    qg, kg, wk, u, aqk, A = channel_intra(q, k, v, G, bk, w, icfg)
+    h, vn = channel_chunk_fwd(
+        None, kg, wk, u, None, egl, h0, ChannelFwdConfig(scale=scale, store_h=True)
+    )
+    dh, dvh, dvl, dh0 = channel_bwd_dh(
+        qg, kg, wk, do, aqk, egl, dht, ChannelBwdDhConfig(scale=scale)
+    )
+    dq, dk_a, dwk, dG_a = channel_bwd_dqkw(q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale)
+    outs = channel_bwd_wy(
+        k, v, G, gr, gl, bk, w, A, dwk, dvh, dvl, ChannelBwdWyConfig(scalar_beta=scalar)
+    )
+    if scalar:
+        dk_b, dv, dG_b, dbeta = outs
+        db, dw = dbeta.transpose(0, 2, 1), None
+    else:
+        dk_b, dv, dG_b, db, dw = outs
+
+    def fold(x):  # [N, T, HV, K] -> [N, T, H, K], summing the value heads of a q/k head
+        return x.reshape(N, T, H, grp, K).sum(3) if grp > 1 else x
+
+    # the state's decay: S_end = e^{G_last} ⊙ h + …  gives e^{G_last} Σ_v h ⊙ dh on the last row
+    hd = jnp.sum(h.astype(f32) * dh.astype(f32), axis=-1) * egl.transpose(0, 2, 1, 3)
+    dG = (dG_a + dG_b).reshape(N, nt, CHUNK, HV, K)
+    dG = dG.at[:, :, -1].add(hd).reshape(N, T, HV, K)
+    return (
+        fold(dq).astype(q.dtype),
+        fold(dk_a + dk_b).astype(k.dtype),
+        dv.astype(v.dtype),
+        dG,
+        db,
+        dw,
+        dh0,
+    )

@@ -1,0 +1,142 @@
+"""In-kernel helpers of the channel-decay backward: products whose decay sits inside the K sum.
+
+With a decay per key channel, ``e^{G_i − G_j}`` (G: chunk-local cumulative log-decay, [C, K])
+sits inside the K contraction of every intra-chunk product, so it is factored onto the operands
+around a reference row. The chunk is cut into four 16-row sub-chunks; sub-chunk I uses
+``r_I = G[16 I + 8]`` (its middle row). For rows i of sub-chunk I and columns j ≤ last(I):
+
+    e^{G_i − G_j} = e^{G_i − r_I} · e^{r_I − G_j}
+
+and with per-token log-decays ≥ −d every factor is at most ``e^{8 d}`` (``e^{40}`` for d = 5), far
+from the f32/bf16 range; rows after sub-chunk I are masked *before* the exponential. The decayed
+products of the backward are then sums of four plain tensor-core products:
+
+    gram:  M_ij   = Σ_d X_id Y_jd e^{G_id − G_jd}                 (j ≤ last(I) for i ∈ I)
+    rows:  Z_i    = Σ_j D_ij (Y_j ⊙ e^{G_i − G_j})                (D lower triangular)
+    cols:  Z_j    = Σ_i D_ij (X_i ⊙ e^{G_i − G_j})
+
+All register tiles are f32 in the WGMMA layout; only wgmma operands are 16-bit (staged in one
+scratch SMEM tile each). ``G`` comes from an f32 SMEM tile, the reference rows and G_last from
+small f32 SMEM tables (the same ones the forward's intra kernel reads).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels import _tiles
+from pallas_kernels._compat import plgpu
+
+CHUNK = 64
+SUB = 16
+NSUB = CHUNK // SUB
+f32 = jnp.float32
+
+__all__ = ["Decay", "CHUNK", "SUB", "NSUB"]
+
+
+class Decay:
+    """Channel-decay context of one chunk inside a kernel.
+
+    Args:
+      g_s: f32 SMEM tile [C, K] of the chunk-local cumulative log-decay.
+      gr_s: f32 SMEM [NSUB, K] (unswizzled): the reference rows, from
+        :func:`pallas_kernels.channel.intra.reference_rows`.
+      gl_s: f32 SMEM [K]: G_last of the chunk.
+      dt: the 16-bit operand dtype.
+    """
+
+    def __init__(self, g_s, gr_s, gl_s, dt):
+        self.g_s = g_s
+        self.gr_s = gr_s
+        self.gl_s = gl_s
+        self.dt = dt
+        C, K = g_s.shape
+        self.shape = (C, K)
+        self.row = cp.iota((C, K), 0)
+        self.blk = lax.shift_right_logical(self.row, 4)
+
+    def G(self) -> jax.Array:
+        """G [C, K] f32 in registers."""
+        return cp.load_tile(self.g_s)
+
+    def ref(self, i: int) -> jax.Array:
+        """Reference row r_i [K] (column layout); i == NSUB gives G_last."""
+        if i == NSUB:
+            return cp.col_vec(self.gl_s, self.shape[1])
+        return _tiles.col_vec_row(self.gr_s, i)
+
+    def bref(self, i: int) -> jax.Array:
+        return cp.bcast_cols(self.ref(i), self.shape)
+
+    def e_own(self) -> jax.Array:
+        """e^{G_i − r_{I(i)}}: each row against its own sub-chunk's reference (|exp.| ≤ 8 d)."""
+        G = self.G()
+        R = self.bref(NSUB - 1)
+        for i in range(NSUB - 2, -1, -1):
+            R = jnp.where(self.blk == i, self.bref(i), R)
+        return jnp.exp(G - R)
+
+    def e_to(self, i: int) -> jax.Array:
+        """e^{r_i − G_j} for rows j ≤ last(i), 0 below (masked before exp)."""
+        keep = self.row < SUB * (i + 1)
+        return jnp.where(keep, jnp.exp(jnp.where(keep, self.bref(i) - self.G(), 0.0)), 0.0)
+
+    def e_last(self) -> jax.Array:
+        """e^{G_last − G} (≤ 1 for non-positive increments)."""
+        return jnp.exp(self.bref(NSUB) - self.G())
+
+    def in_blk(self, i: int):
+        return self.blk == i
+
+    # ----------------------------------------------------------------------------------------
+    # products
+
+    def gram(self, X, Y, xs_s, ys_s) -> jax.Array:
+        """M_ij = Σ_d X_id Y_jd e^{G_id − G_jd} for j ≤ last(I(i)); other entries are garbage-free
+        but not masked by causality (callers mask). X, Y: [C, K] f32 registers.
+
+        Returns: [C, C] f32.
+        """
+        C = self.shape[0]
+        XE = X * self.e_own()
+        M = None
+        for i in range(NSUB):
+            xs_s[...] = jnp.where(self.in_blk(i), XE, 0.0).astype(self.dt)
+            ys_s[...] = (Y * self.e_to(i)).astype(self.dt)
+            plgpu.commit_smem()
+            t = cp.matmul(xs_s, ys_s.T, (C, C))
+            M = t if M is None else M + t
+        return M
+
+    def rows(self, d_s, Y, ys_s) -> jax.Array:
+        """Z_i = Σ_j D_ij Y_j e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
+
+        Y: [C, K] f32 registers. Returns [C, K] f32.
+        """
+        C, K = self.shape
+        Z = None
+        for i in range(NSUB):
+            ys_s[...] = (Y * self.e_to(i)).astype(self.dt)
+            plgpu.commit_smem()
+            t = jnp.where(self.in_blk(i), cp.matmul(d_s, ys_s, (C, K)), 0.0)
+            Z = t if Z is None else Z + t
+        return Z * self.e_own()
+
+    def cols(self, d_s, X, xs_s) -> jax.Array:
+        """Z_j = Σ_i D_ij X_i e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
+
+        X: [C, K] f32 registers. Returns [C, K] f32.
+        """
+        C, K = self.shape
+        XE = X * self.e_own()
+        Z = None
+        for i in range(NSUB):
+            xs_s[...] = jnp.where(self.in_blk(i), XE, 0.0).astype(self.dt)
+            plgpu.commit_smem()
+            t = self.e_to(i) * cp.matmul(d_s.T, xs_s, (C, K))
+            Z = t if Z is None else Z + t
+        return Z

@@ -1,0 +1,174 @@
+"""Channel-decay backward: the reverse state-gradient recurrence, fused with the local dv.
+
+One CTA (one warpgroup) per (batch row, value head, 64-wide V block) runs over the chunks in
+reverse. dH [K, BV] (the gradient of the state at the end of the current chunk) stays in f32
+registers as the ``emit_pipeline`` carry, initialised with the final-state cotangent. From the
+forward's intra stage (:func:`pallas_kernels.channel.intra.channel_intra`, recomputed) it reads
+qg = q e^{G}, kg = k e^{G_last − G}, w and the decayed causal Aqk, so no exponential of a [C, K]
+tile is formed here:
+
+    dh[c]  = dH                                                      (written, io dtype)
+    dv2    = kg dH + scale Aqkᵀ do                                   (= dL/dv_new)
+    dH     ← Diag(e^{G_last}) dH + scale qgᵀ do − wᵀ dv2
+
+The per-key-channel decay of dH is a row scaling of the tile. dv2 is written as two 16-bit terms
+(hi + lo ≈ f32) so the later stages can use it as a tensor-core operand without losing precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels._compat import pl, plgpu
+
+CHUNK = 64
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelBwdDhConfig:
+    """Static configuration of :func:`channel_bwd_dh`.
+
+    Attributes:
+      scale: the output scale used in the forward.
+      block_v: V columns per CTA.
+    """
+
+    scale: float = 1.0
+    block_v: int = 64
+
+    def __post_init__(self):
+        if self.block_v not in (64, 128):
+            raise ValueError(f"{self.block_v=} must be 64 or 128")
+        if not isinstance(self.scale, float):
+            raise TypeError(f"{self.scale=} must be a Python float")
+
+
+def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0_g, *, cfg, nt):
+    C, BV = CHUNK, cfg.block_v
+    iv = lax.axis_index("v")
+    hv = lax.axis_index("h")
+    b = lax.axis_index("b")
+    K = kg_g.shape[-1]
+    dt = kg_g.dtype
+    cols = pl.ds(iv * BV, BV)
+
+    def load_dht(st_s, bar):
+        plgpu.copy_gmem_to_smem(dht_g.at[b, hv, :, cols], st_s, bar)
+        plgpu.barrier_wait(bar)
+        return cp.to_wgmma(st_s[...])
+
+    dH0 = pl.run_scoped(load_dht, cp.smem((K, BV), f32), plgpu.Barrier())
+
+    def scoped(dh_s, ndv_s, hi_s, lo_s):
+        def step(idx, qg_s, kg_s, w_s, do_s, aqk_s, egl_s, dH):
+            (i,) = idx
+            c = nt - 1 - i
+            slot = lax.rem(i, 2)
+            rows = pl.ds(c * C, C)
+            plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # the stores of step i-2 left SMEM
+            dh_ref = dh_s.at[slot]
+            dh_ref[...] = dH.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dh_ref, dh_g.at[b, c, hv, :, cols])
+
+            dv2 = cp.matmul(kg_s, dh_ref, (C, BV))
+            dv2 = dv2 + cfg.scale * cp.matmul(aqk_s.T, do_s, (C, BV))
+            hi = dv2.astype(dt)
+            hi_s.at[slot][...] = hi
+            lo_s.at[slot][...] = (dv2 - hi.astype(f32)).astype(dt)
+            ndv_s[...] = (-dv2).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(hi_s.at[slot], dvh_g.at[b, rows, hv, cols])
+            plgpu.copy_smem_to_gmem(lo_s.at[slot], dvl_g.at[b, rows, hv, cols])
+
+            decay = cp.bcast_rows(cp.row_vec(egl_s), (K, BV))
+            upd = cp.matmul(w_s.T, ndv_s, (K, BV))
+            return dH * decay + cfg.scale * cp.matmul(qg_s.T, do_s, (K, BV)) + upd
+
+        rev = lambda i: nt - 1 - i
+        tile = lambda n: dict(dtype=dt, cols=n)
+        specs = [
+            cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hv, 0), **tile(K)),  # qg
+            cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hv, 0), **tile(K)),  # kg
+            cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hv, 0), **tile(K)),  # w
+            cp.block_spec((None, C, None, BV), lambda i: (b, rev(i), hv, iv), **tile(BV)),  # do
+            cp.block_spec((None, C, None, C), lambda i: (b, rev(i), hv, 0), **tile(C)),  # Aqk
+            cp.block_spec((None, None, None, K), lambda i: (b, hv, rev(i), 0)),  # e^{G_last}
+        ]
+        dH = plgpu.emit_pipeline(
+            step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=dH0
+        )(qg_g, kg_g, w_g, do_g, aqk_g, egl_g)
+        plgpu.wait_smem_to_gmem(0)
+        return dH
+
+    dH = pl.run_scoped(
+        scoped,
+        cp.smem((2, K, BV), dt),
+        cp.smem((C, BV), dt),
+        cp.smem((2, C, BV), dt),
+        cp.smem((2, C, BV), dt),
+    )
+
+    def final(st_s):
+        st_s[...] = dH
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s, dh0_g.at[b, hv, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(final, cp.smem((K, BV), f32))
+
+
+def channel_bwd_dh(
+    qg: jax.Array,
+    kg: jax.Array,
+    w: jax.Array,
+    do: jax.Array,
+    aqk: jax.Array,
+    decay_last: jax.Array,
+    dht: jax.Array,
+    config: ChannelBwdDhConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Reverse chunk loop of the channel-decay backward.
+
+    Args:
+      qg, kg, w: [B, T, HV, K] io dtype (from the intra stage); T % 64 == 0.
+      do: [B, T, HV, V] io dtype.
+      aqk: [B, T, HV, 64] io dtype, the decayed causal intra-chunk product (unscaled).
+      decay_last: [B, HV, T/64, K] f32, e^{G_last} per chunk and key channel.
+      dht: [B, HV, K, V] f32 cotangent of the final state.
+      config: :class:`ChannelBwdDhConfig`.
+    Returns:
+      dh [B, T/64, HV, K, V] (io dtype; gradient of the state at each chunk's end),
+      dv2_hi, dv2_lo [B, T, HV, V] io dtype (dL/dv_new = hi + lo),
+      dh0 [B, HV, K, V] f32.
+    """
+    B, T, HV, K = kg.shape
+    V = do.shape[3]
+    if T % CHUNK or V % config.block_v:
+        raise ValueError(f"{kg.shape=} {do.shape=}: T % 64 and V % block_v must be 0")
+    nt = T // CHUNK
+    dt = kg.dtype
+    out_type = (
+        jax.ShapeDtypeStruct((B, nt, HV, K, V), dt),
+        jax.ShapeDtypeStruct((B, T, HV, V), dt),
+        jax.ShapeDtypeStruct((B, T, HV, V), dt),
+        jax.ShapeDtypeStruct((B, HV, K, V), f32),
+    )
+
+    def body(*refs):
+        _dh_body(*refs, cfg=config, nt=nt)
+
+    fn = cp.kernel(
+        body,
+        out_type=out_type,
+        grid=(V // config.block_v, HV, B),
+        grid_names=("v", "h", "b"),
+        name="chan_bwd_dh",
+    )
+    return fn(qg, kg, w, do, aqk, decay_last, dht)

@@ -1,0 +1,166 @@
+"""Channel-decay backward: dq, dk, dw (WY) and the gate gradient of one chunk, one CTA per
+(chunk, value head).
+
+With h = state entering the chunk, dh = gradient of the state at its end (both [K, V]), v_new and
+dv2 = dL/dv_new (from :mod:`bwd_dh`), and D_ij = e^{G_id − G_jd} per key channel (j ≤ i):
+
+    dP   = scale (do v_newᵀ) ⊙ [j ≤ i]                               [C, C]
+    dq   = scale e^{G} ⊙ (do hᵀ) + Σ_j dP_ij (k_j ⊙ D_ij)            (decayed "rows" product)
+    dk   = e^{G_last − G} ⊙ (v_new dhᵀ) + Σ_i dP_ij (q_i ⊙ D_ij)     (decayed "cols" product)
+    dw   = −dv2 hᵀ
+    dG   = dq ⊙ q − dk ⊙ k                                           (per element, [C, K])
+    dG_last += Σ_i (e^{G_last − G} ⊙ (v_new dhᵀ) ⊙ k)_i             (added to the last row here)
+
+The remaining last-row term e^{G_last} ⊙ Σ_v h ⊙ dh is added by the caller. The decayed products
+use the sub-chunk reference rows of :mod:`bwd_decay`. h and dh share one SMEM tile (dh is loaded
+once h's products are done) to stay inside the shared-memory budget at K = V = 128.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels._compat import pl, plgpu
+from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay
+
+f32 = jnp.float32
+
+
+def _dqkw_body(
+    q_g, k_g, g_g, gr_g, gl_g, h_g, dh_g, vn_g, do_g, dvh_g, dvl_g,  # inputs
+    dq_g, dk_g, dw_g, dg_g,  # outputs
+    *, scale: float, group: int,
+):  # fmt: skip
+    C = CHUNK
+    c = lax.axis_index("c")
+    hv = lax.axis_index("h")
+    b = lax.axis_index("b")
+    hk = hv // group
+    K, V = q_g.shape[-1], vn_g.shape[-1]
+    dt = q_g.dtype
+    rows = pl.ds(c * C, C)
+
+    def scoped(q_s, k_s, g_s, gr_s, gl_s, h_s, vn_s, do_s, dvh_s, dvl_s, dp_s, x_s, out_s, bar):
+        srcs = (
+            (q_g.at[b, rows, hk, :], q_s),
+            (k_g.at[b, rows, hk, :], k_s),
+            (g_g.at[b, rows, hv, :], g_s),
+            (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), :], gr_s),
+            (gl_g.at[b, hv, c, :], gl_s),
+            (h_g.at[b, c, hv], h_s),
+            (vn_g.at[b, rows, hv, :], vn_s),
+            (do_g.at[b, rows, hv, :], do_s),
+            (dvh_g.at[b, rows, hv, :], dvh_s),
+            (dvl_g.at[b, rows, hv, :], dvl_s),
+        )
+        for i, (src, dst) in enumerate(srcs):
+            plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+        for i in range(len(srcs)):
+            plgpu.barrier_wait(bar.at[i])
+
+        def emit(x, dst):
+            out_s[...] = x
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s, dst)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        dec = Decay(g_s, gr_s, gl_s, dt)
+        row = cp.iota((C, C), 0)
+        col = cp.iota((C, C), 1)
+        dov = cp.matmul(do_s, vn_s.T, (C, C))
+        dp_s[...] = (jnp.where(row >= col, dov, 0.0) * scale).astype(dt)
+        plgpu.commit_smem()
+
+        # the h products: output part of dq, and dw = −dv2 hᵀ (dv2 = hi + lo)
+        dq = cp.matmul(do_s, h_s.T, (C, K)) * (jnp.exp(dec.G()) * scale)
+
+        def dw_mm(acc):
+            plgpu.wgmma(acc, dvh_s, h_s.T)
+            plgpu.wgmma(acc, dvl_s, h_s.T)
+            plgpu.wgmma_wait(0)
+            return acc[...]
+
+        dw = -pl.run_scoped(dw_mm, plgpu.ACC((C, K), f32))
+        x_s[...] = dw.astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_s, dw_g.at[b, rows, hv, :])
+        # h is done: bring dh into the same tile
+        plgpu.copy_gmem_to_smem(dh_g.at[b, c, hv], h_s, bar.at[len(srcs)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # x_s is reused below
+
+        q = cp.load_tile(q_s).astype(f32)
+        k = cp.load_tile(k_s).astype(f32)
+        dq = dq + dec.rows(dp_s, k, x_s)
+        r1 = dq * q
+        emit(dq, dq_g.at[b, rows, hv, :])
+        dk = dec.cols(dp_s, q, x_s)
+        plgpu.barrier_wait(bar.at[len(srcs)])
+        dks = cp.matmul(vn_s, h_s.T, (C, K)) * dec.e_last()  # the state part of dk
+        last = jnp.sum(dks * k, axis=0)
+        dk = dk + dks
+        emit(dk, dk_g.at[b, rows, hv, :])
+        dG = r1 - dk * k
+        dG = dG + jnp.where(dec.row == C - 1, cp.bcast_cols(last, (C, K)), 0.0)
+        emit(dG, dg_g.at[b, rows, hv, :])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        scoped,
+        cp.smem((C, K), dt),  # q
+        cp.smem((C, K), dt),  # k
+        cp.smem((C, K), f32),  # G
+        cp.smem((NSUB, K), f32, swizzled=False),  # reference rows
+        cp.smem((K,), f32),  # G_last
+        cp.smem((K, V), dt),  # h, then dh
+        cp.smem((C, V), dt),  # v_new
+        cp.smem((C, V), dt),  # do
+        cp.smem((C, V), dt),  # dv2 hi
+        cp.smem((C, V), dt),  # dv2 lo
+        cp.smem((C, C), dt),  # dP
+        cp.smem((C, K), dt),  # operand scratch (and the dw staging)
+        cp.smem((C, K), f32),  # f32 output staging
+        plgpu.Barrier(num_barriers=11),
+    )
+
+
+def channel_bwd_dqkw(q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo, *, scale: float):
+    """dq, dk (output/state parts), dw and the gate gradient pieces for every chunk.
+
+    Args:
+      q, k: [B, T, H, K] io dtype; T % 64 == 0.
+      g_cum: [B, T, HV, K] f32 chunk-local cumulative log-decay.
+      gr, gl: [B, HV, T/16, K], [B, HV, T/64, K] f32 reference rows and G_last
+        (:func:`pallas_kernels.channel.intra.reference_rows`).
+      h, dh: [B, T/64, HV, K, V] io dtype (state entering / state gradient leaving each chunk).
+      v_new, do, dv2_hi, dv2_lo: [B, T, HV, V] io dtype.
+      scale: output scale.
+    Returns:
+      dq, dk [B, T, HV, K] f32 (per value head), dw [B, T, HV, K] io dtype,
+      dG [B, T, HV, K] f32 (gradient w.r.t. G of the output/state parts, without the last-row
+      term e^{G_last} Σ_v h ⊙ dh).
+    """
+    B, T, H, K = q.shape
+    HV, V = v_new.shape[2], v_new.shape[3]
+    if V != K:
+        raise NotImplementedError(f"{q.shape=} {v_new.shape=}: channel_bwd_dqkw needs K == V")
+    if T % CHUNK:
+        raise ValueError(f"{q.shape=}: T must be a multiple of {CHUNK}")
+    nt = T // CHUNK
+    S = jax.ShapeDtypeStruct
+    out_type = (
+        S((B, T, HV, K), f32),
+        S((B, T, HV, K), f32),
+        S((B, T, HV, K), q.dtype),
+        S((B, T, HV, K), f32),
+    )
+
+    def body(*refs):
+        _dqkw_body(*refs, scale=scale, group=HV // H)
+
+    fn = cp.kernel(
+        body, out_type=out_type, grid=(nt, HV, B), grid_names=("c", "h", "b"), name="chan_bwd_dqkw"
+    )
+    return fn(q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo)
