@@ -1,15 +1,21 @@
 """Times one decode step (one token appended to each of B carried f32 states) against the
-memory-bandwidth floor, for GDN, KDA and GDN2, in one run; FLA's ``fused_recurrent_*`` too when
-``fla`` imports.
+memory-bandwidth floor, for GDN, KDA and GDN2 and each implementation (``pallas``, ``xla``) in one
+run; FLA's ``fused_recurrent_*`` too when ``fla`` imports.
 
 Usage (on the GPU machine, from the checkout)::
 
     PYTHONPATH=. python3 benchmarks/bench_decode.py [--batch 64 256] [--variants gdn kda gdn2]
-        [--json out.json]
+        [--impls pallas xla fla] [--json out.json]
 
-The step is jitted with the state donated, so XLA updates it in place; the floor is reading and
-writing the f32 state once (``2 · B · HV · K · V · 4`` bytes) over the measured copy bandwidth.
-Timing as in bench_gdn.py: batches of back-to-back calls, median of the per-call times.
+The step is jitted with the state donated, so it updates the state in place; the floor is reading
+and writing the f32 state once (``2 · B · HV · K · V · 4`` bytes) over the measured copy bandwidth,
+and GB/s is those bytes over the measured time. Two timings per JAX implementation:
+
+- ``*_ms``: device time per step of a decode loop, ``STEPS_PER_LOOP`` steps inside one jitted
+  ``fori_loop`` (the state is the loop carry; the outputs are summed so none is dead code), so
+  host dispatch is excluded, as in FLA's ``do_bench`` (CUDA events) timing;
+- ``*_call_ms``: one jitted, state-donating call per step from Python (bench_gdn.py timing:
+  batches of back-to-back calls, median), i.e. what a host-driven decode loop sees.
 """
 
 from __future__ import annotations
@@ -49,18 +55,44 @@ def step_inputs(variant: str, B: int, H: int, HV: int, K: int, V: int, seed: int
     return (q, k, v) + gates, state
 
 
-def bench_xla(variant: str, B: int, H: int, HV: int, K: int, V: int) -> float:
-    """ms per step of the jitted, state-donating decode step."""
+STEPS_PER_LOOP = 50
+
+
+def bench_jax(variant: str, impl: str, B: int, H: int, HV: int, K: int, V: int) -> dict:
+    """ms per step of ``impl``: in a jitted decode loop (device) and per jitted call (host)."""
     args, state = step_inputs(variant, B, H, HV, K, V)
     n = len(args)
-    step = jax.jit(lambda *a: STEPS[variant](*a, use_qk_l2norm=True), donate_argnums=(n,))
-    box = [state]
+
+    def one(a, s):
+        return STEPS[variant](*a, s, use_qk_l2norm=True, implementation=impl)
+
+    step = jax.jit(lambda *a: one(a[:n], a[n]), donate_argnums=(n,))
+
+    def loop(a, s):
+        def body(_, c):
+            s, acc = c
+            o, s = one(a, s)
+            return s, acc + o.astype(jnp.float32)
+
+        acc = jnp.zeros(args[2].shape, jnp.float32)
+        return jax.lax.fori_loop(0, STEPS_PER_LOOP, body, (s, acc))
+
+    run = jax.jit(loop, donate_argnums=(1,))
+    box = [state + 0]  # each timing donates a buffer of its own
 
     def call():
         o, box[0] = step(*args, box[0])
         return o
 
-    return time_jax(lambda: call(), ())
+    r = {f"{impl}_call_ms": time_jax(lambda: call(), ())}
+    box2 = [state + 0]
+
+    def call_loop():
+        box2[0], acc = run(args, box2[0])
+        return acc
+
+    r[f"{impl}_ms"] = time_jax(lambda: call_loop(), (), iters=3) / STEPS_PER_LOOP
+    return r
 
 
 def bench_fla(variant: str, B: int, H: int, HV: int, K: int, V: int) -> float:
@@ -95,32 +127,49 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="*", default=[base.B, 256])
     p.add_argument("--variants", nargs="*", default=list(STEPS))
+    p.add_argument("--impls", nargs="*", default=["pallas", "xla", "fla"])
     p.add_argument("--H", type=int, default=base.H)
     p.add_argument("--HV", type=int, default=base.HV)
     p.add_argument("--D", type=int, default=base.K)
+    p.add_argument("--block-v", type=int, default=None, help="pallas: V columns per CTA")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    if a.block_v is not None:
+        from gdn_jax.ops import _step_pallas
+
+        _step_pallas.BLOCK_V = a.block_v
     print(json.dumps({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                       "device": jax.devices()[0].device_kind, "jax": jax.__version__}))  # fmt: skip
     rows = []
+    state_bytes = lambda B: 2 * B * a.HV * a.D * a.D * 4
     for B in a.batch:
-        floor_ms = 1e3 * 2 * B * a.HV * a.D * a.D * 4 / COPY_BW
+        floor_ms = 1e3 * state_bytes(B) / COPY_BW
         for variant in a.variants:
-            row = dict(variant=variant, B=B, floor_ms=floor_ms)
-            row["xla_ms"] = bench_xla(variant, B, a.H, a.HV, a.D, a.D)
-            try:
-                row["fla_ms"] = bench_fla(variant, B, a.H, a.HV, a.D, a.D)
-            except Exception as e:  # FLA absent (CPU, no wheel) or no such kernel
-                row["fla_ms"] = float("nan")
-                row["fla_note"] = f"{type(e).__name__}: {e}"[:120]
+            row = dict(variant=variant, B=B, H=a.H, HV=a.HV, D=a.D, floor_ms=floor_ms)
+            for impl in a.impls:
+                try:
+                    if impl == "fla":
+                        row["fla_ms"] = bench_fla(variant, B, a.H, a.HV, a.D, a.D)
+                    else:
+                        row.update(bench_jax(variant, impl, B, a.H, a.HV, a.D, a.D))
+                except Exception as e:  # FLA absent (CPU, no wheel), no such kernel, no GPU
+                    row[f"{impl}_ms"] = float("nan")
+                    row[f"{impl}_note"] = f"{type(e).__name__}: {e}"[:160]
+                t = row.get(f"{impl}_ms", float("nan"))
+                row[f"{impl}_GBps"] = state_bytes(B) / (t * 1e-3) / 1e9
+                row[f"{impl}_per_floor"] = t / floor_ms
             rows.append(row)
-            print(json.dumps(row))
-    print(
-        f"{'variant':8s} {'B':>5s} {'xla ms':>9s} {'fla ms':>9s} {'floor ms':>9s} {'xla/floor':>9s}"
-    )
+            print(json.dumps(row), flush=True)
+    hdr = f"{'variant':7s} {'B':>4s} {'floor ms':>9s}"
+    for impl in a.impls:
+        hdr += f" {impl + ' ms':>10s} {'GB/s':>6s} {'/floor':>6s}"
+    print(hdr)
     for r in rows:
-        print(f"{r['variant']:8s} {r['B']:5d} {r['xla_ms']:9.4f} {r['fla_ms']:9.4f} "
-              f"{r['floor_ms']:9.4f} {r['xla_ms'] / r['floor_ms']:9.2f}")  # fmt: skip
+        line = f"{r['variant']:7s} {r['B']:4d} {r['floor_ms']:9.4f}"
+        for impl in a.impls:
+            line += (f" {r[f'{impl}_ms']:10.4f} {r[f'{impl}_GBps']:6.0f}"
+                     f" {r[f'{impl}_per_floor']:6.2f}")  # fmt: skip
+        print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

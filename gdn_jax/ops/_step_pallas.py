@@ -20,6 +20,9 @@ __all__ = ["step_pallas", "MAX_TOKENS"]
 # tokens per call: every CTA stages its T tokens in SMEM (~2 KiB per token at K = V = 128 with
 # channel gates, next to the 32 KiB state slice); longer appends are prefill, not decode
 MAX_TOKENS = 64
+# V columns per CTA (pallas_kernels.decode.StepConfig.block_v); a module attribute so benchmarks
+# can compare 32 / 64 / 128
+BLOCK_V = 64
 
 
 def _unsupported(q, v, g, b) -> str | None:
@@ -73,6 +76,7 @@ def step_pallas(
         channel_b=b.ndim == 4,
         has_w=w is not None,
         use_qk_l2norm=bool(use_qk_l2norm),
+        block_v=BLOCK_V,
     )
     return decode_step(
         q, k, v, g.astype(f32), b.astype(f32), None if w is None else w.astype(f32), state, cfg

@@ -197,34 +197,6 @@ def test_lowers_for_cuda_with_state_aliased(variant, D, HV, T):
 # ------------------------------------------------------------------------------------------------
 # GPU (H200)
 
-GPU_CASES = [
-    # variant, B, T, H, HV
-    ("gdn", 64, 1, 16, 16),
-    ("kda", 64, 2, 16, 32),
-    ("gdn2", 64, 1, 16, 32),
-    ("gdn", 256, 3, 16, 32),
-    ("kda", 256, 1, 16, 16),
-    ("gdn2", 256, 2, 16, 16),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant,B,T,H,HV", GPU_CASES)
-def test_gpu_matches_recurrence(variant, B, T, H, HV):
-    args, state = _inputs(variant, 7, B=B, T=T, H=H, HV=HV, D=128)
-    _check(variant, args, state, tight=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_gpu_extreme_gates(variant):
-    args, state = _inputs(variant, 8, B=64, T=2, H=16, HV=16, D=128)
-    for g_val, b_val in ((0.0, 0.0), (0.0, 1.0), (-20.0, 1.0), (-20.0, 0.0)):
-        a = list(args)
-        a[3] = jnp.full_like(a[3], g_val)
-        a[4:] = [jnp.full_like(x, b_val) for x in a[4:]]
-        _check(variant, tuple(a), state, tight=False)
-
 
 @pytest.mark.gpu
 def test_gpu_state_updated_in_place():
@@ -244,6 +216,24 @@ def test_gpu_state_updated_in_place():
     assert rel_rms(s, ref[1]) <= 1e-5
     a, b = f(*args, s + 0), f(*args, s + 0)  # deterministic
     assert np.array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+GPU_CASES = [
+    # variant, B, T, H, HV
+    ("gdn", 64, 1, 16, 16),
+    ("kda", 64, 2, 16, 32),
+    ("gdn2", 64, 1, 16, 32),
+    ("gdn", 256, 3, 16, 32),
+    ("kda", 256, 1, 16, 16),
+    ("gdn2", 256, 2, 16, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,B,T,H,HV", GPU_CASES)
+def test_gpu_matches_recurrence(variant, B, T, H, HV):
+    args, state = _inputs(variant, 7, B=B, T=T, H=H, HV=HV, D=128)
+    _check(variant, args, state, tight=False)
 
 
 @pytest.mark.gpu
@@ -286,3 +276,14 @@ def test_gpu_packed_prefill_then_decode():
         err, budget = rel_rms(a, r), rel_rms(lo, r)
         print(f"{name}: {err:.2e} (bf16 reference {budget:.2e})")
         assert err <= 2 * budget + 1e-5, (name, err, budget)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_extreme_gates(variant):
+    args, state = _inputs(variant, 8, B=64, T=2, H=16, HV=16, D=128)
+    for g_val, b_val in ((0.0, 0.0), (0.0, 1.0), (-20.0, 1.0), (-20.0, 0.0)):
+        a = list(args)
+        a[3] = jnp.full_like(a[3], g_val)
+        a[4:] = [jnp.full_like(x, b_val) for x in a[4:]]
+        _check(variant, tuple(a), state, tight=False)
