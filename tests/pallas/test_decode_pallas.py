@@ -142,6 +142,44 @@ def test_prefill_then_decode_interpret():
         assert rel_rms(state[i], s_ref[0]) <= 1e-4
 
 
+@pytest.mark.parametrize("variant", ["gdn", "gdn2"])
+def test_layer_decode_cache_with_pallas_steps(variant, monkeypatch):
+    """GatedDeltaNet.extend: an xla prefill, then one-token extends on the Pallas decode kernel
+    (the layer passes its ``implementation`` to the step op), equals one forward pass."""
+    from flax import nnx
+
+    from gdn_jax.nn import GatedDeltaNet
+    from gdn_jax.ops import _step_pallas
+
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return step_pallas(*a, **kw)
+
+    monkeypatch.setattr(_step_pallas, "step_pallas", spy)
+
+    layer = GatedDeltaNet(
+        32, variant=variant, num_heads=2, head_dim=64, num_v_heads=4, v_head_dim=64,
+        implementation="xla", rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    x = jax.random.normal(jax.random.key(1), (2, 7, 32), jnp.float32)
+    want = layer(x)
+    y0, cache = layer.extend(x[:, :5], layer.init_cache(2))
+    layer.implementation = "pallas"  # the one-token extends below must run the kernel
+    ys = [y0]
+    with pk.use_mode("interpret"):
+        try:
+            for t in (5, 6):
+                y, cache = layer.extend(x[:, t : t + 1], cache)
+                ys.append(y)
+        finally:
+            pk.reset_interpreter()
+    got = jnp.concatenate(ys, axis=1)
+    assert len(calls) == 2
+    assert rel_rms(got, want) <= 1e-5, rel_rms(got, want)
+
+
 # ------------------------------------------------------------------------------------------------
 # CPU: selector, refusals, the real CUDA lowering with the state aliased
 
