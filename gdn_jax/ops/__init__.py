@@ -96,8 +96,11 @@ def _sharded(op, sharding, arrays, **kw):
 
 
 def _pallas_has_no_qat(qat) -> None:
+    """The KDA/GDN2 Pallas kernels have no fused QAT (GDN's do): xla serves those calls."""
     if qat is not None:
-        raise NotImplementedError("the Pallas kernels do not fuse QAT fake quantisation yet")
+        raise NotImplementedError(
+            "the KDA/GDN2 Pallas kernels do not fuse QAT fake quantisation yet"
+        )
 
 
 def _scale(K: int, scale):
@@ -172,12 +175,11 @@ def gated_delta_rule(
             use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
 
-    def run_pallas(fn):
-        _pallas_has_no_qat(qat)
+    def run_pallas(fn):  # the GDN kernels fuse QAT (w and state sites) themselves
         return fn(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
 
     if T == 0:

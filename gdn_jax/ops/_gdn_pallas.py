@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
+from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, from_chunks, l2norm, to_chunks
 from pallas_kernels import _compat as pk
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
@@ -44,16 +45,42 @@ class PallasConfig:
     Attributes:
       scale: query scale.
       mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
+      qat: optional QAT fake quantisation, fused into the kernels: w in the intra kernel, the
+        chunk-entering state in the chunk loop (forward and the backward's recomputation, so the
+        backward sees exactly the quantised values of the forward; gradients pass straight
+        through, as in the xla path).
     """
 
     scale: float
     mode: str = "auto"
+    qat: QATConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.scale, float):
             raise TypeError(f"{self.scale=} must be a Python float")
         if self.mode not in ("auto", "gpu", "interpret"):
             raise ValueError(f"{self.mode=} must be 'auto', 'gpu' or 'interpret'")
+        if self.qat is not None and not isinstance(self.qat, QATConfig):
+            raise TypeError(f"{self.qat=} must be a gdn_jax.qat.QATConfig or None")
+
+    @property
+    def w_quant(self) -> str | None:
+        """Granularity of the w fake quant in the intra kernel (None: off)."""
+        q = self.qat
+        return q.w_granularity if q is not None and "w" in q.sites else None
+
+    @property
+    def state_quant(self) -> str | None:
+        """Granularity of the state fake quant in the chunk loop (None: off)."""
+        q = self.qat
+        return q.state_granularity if q is not None and "state" in q.sites else None
+
+    def fwd_config(self, V: int, **kw) -> ChunkFwdConfig:
+        """The chunk loop's config; a 'matrix' state scale needs the whole state in one CTA."""
+        block_v = V if self.state_quant == "matrix" else 64
+        return ChunkFwdConfig(
+            scale=self.scale, block_v=block_v, state_quant=self.state_quant, **kw
+        )
 
 
 def _kernels(cfg: PallasConfig):
@@ -68,8 +95,8 @@ def _kernels(cfg: PallasConfig):
 
 def _forward(cfg, q, k, v, G, beta, h0):
     with _kernels(cfg):
-        w, u = intra_chunk(k, v, G, beta, IntraConfig())
-        o, ht = chunk_fwd(q, k, w, u, G, h0, ChunkFwdConfig(scale=cfg.scale))
+        w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
+        o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]))
     return o, ht
 
 
@@ -91,8 +118,9 @@ def _core_bwd(cfg, res, cts):
     dt = q.dtype
     scale = cfg.scale
     with _kernels(cfg):
-        w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True))
-        h, vn = chunk_fwd(None, k, w, u, G, h0, ChunkFwdConfig(scale=scale, store_h=True))
+        # the same kernels and configs as the forward: w and h are the quantised values it used
+        w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True, w_quant=cfg.w_quant))
+        h, vn = chunk_fwd(None, k, w, u, G, h0, cfg.fwd_config(v.shape[-1], store_h=True))
         dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do.astype(dt), G, dht, ChunkBwdDhConfig(scale))
         dq, dk_a, dw, dg_a, rs, hd = bwd_dqkw(
             q, k, h, dh_k, vn, do.astype(dt), dv2_k, G, scale=scale
@@ -126,7 +154,9 @@ _core.defvjp(_core_fwd, _core_bwd)
 # public glue
 
 
-def _unsupported(q, v, chunk_size) -> str | None:
+def _unsupported(q, v, chunk_size, qat=None) -> str | None:
+    if qat is not None and qat.fmt != "e4m3":
+        return f"{qat.fmt=}: the Pallas kernels fuse only the e4m3 fake quant"
     if q.dtype != jnp.bfloat16:
         # f16 would stage the f32 state as an f16 tensor-core operand (max 65504): DESIGN §3
         # forbids it, so f16 (like f32) runs on "xla" until the kernels take bf16 state operands.
@@ -154,6 +184,7 @@ def gated_delta_rule_pallas(
     use_qk_l2norm: bool,
     cu_seqlens: jax.Array | None,
     chunk_size: int,
+    qat: QATConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """GDN on the Mosaic GPU kernels; inputs already validated by :func:`gdn_jax.gated_delta_rule`.
 
@@ -166,15 +197,16 @@ def gated_delta_rule_pallas(
       use_qk_l2norm: L2-normalise q and k over K first (differentiable).
       cu_seqlens: [N + 1] int32 with B == 1, or None.
       chunk_size: must be 64.
+      qat: optional FP8 fake quantisation of w and the chunk-entering state (fused).
     Returns:
       (o [B, T, HV, V] in v.dtype, final state or None).
     Raises:
       NotImplementedError: dtype/head size/chunk size/platform not served by these kernels.
     """
-    why = _unsupported(q, v, chunk_size)
+    why = _unsupported(q, v, chunk_size, qat)
     if why is not None:
         raise NotImplementedError(why)
-    cfg = PallasConfig(scale=float(scale), mode=pk.execution_mode())
+    cfg = PallasConfig(scale=float(scale), mode=pk.execution_mode(), qat=qat)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if use_qk_l2norm:

@@ -24,9 +24,11 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels.gdn.fake_quant import fake_quant_e4m3
 
 CHUNK = 64
 f32 = jnp.float32
+STATE_QUANT = {"column": "cols", "matrix": "all"}  # QAT granularity -> groups of the [K, BV] tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,17 +39,24 @@ class ChunkFwdConfig:
       scale: the output scale (``K ** -0.5`` by default in the op).
       store_h: backward recomputation mode: write h and v_new instead of o and the final state.
       block_v: V columns per CTA (64: the state carry then needs ~140 registers, no spills).
+      state_quant: QAT fake quantisation (FP8-E4M3, dynamic scale) of the state entering each
+        chunk, which both the chunk's products and its update then use: ``None`` (off),
+        ``"column"`` (one scale per V column, amax over K) or ``"matrix"`` (one per K×V state;
+        needs the whole state in one CTA, i.e. ``block_v == V``).
     """
 
     scale: float = 1.0
     store_h: bool = False
     block_v: int = 64
+    state_quant: str | None = None
 
     def __post_init__(self):
         if self.block_v not in (64, 128):
             raise ValueError(f"{self.block_v=} must be 64 or 128")
         if not isinstance(self.scale, float):
             raise TypeError(f"{self.scale=} must be a Python float")
+        if self.state_quant is not None and self.state_quant not in STATE_QUANT:
+            raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
 
 
 def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
@@ -74,7 +83,11 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
 
     S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
 
-    def scoped(s_s, vn_s, vd_s, p_s, o_s):
+    def scoped(s_s, vn_s, *bufs):
+        # store_h: vd_s; forward: p_s, o_s, and v_dec reuses the v_new tile once o is done with it
+        # (SMEM: block_v = 128 must fit in 227 KiB)
+        vd_s, p_s, o_s = (bufs[0], None, None) if store_h else (vn_s, *bufs)
+
         def step(idx, *args):
             if store_h:
                 k_s, w_s, u_s, g_s, S = args
@@ -82,6 +95,10 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
                 q_s, k_s, w_s, u_s, g_s, S = args
             (c,) = idx
             slot = lax.rem(c, 2)
+            if cfg.state_quant is not None:
+                # QAT: the carry becomes the quantised state; the products below and the decayed
+                # update both use it (as the xla path does)
+                S = fake_quant_e4m3(S, STATE_QUANT[cfg.state_quant])
             # the stores issued two steps ago (same slot) must have finished reading SMEM
             plgpu.wait_smem_to_gmem(n_groups, wait_read_only=True)
             s_ref = s_s.at[slot] if store_h else s_s
@@ -137,14 +154,11 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
     nbuf = 2 if store_h else 1
     s_shape = (nbuf, K, BV) if store_h else (K, BV)
     vn_shape = (nbuf, C, BV) if store_h else (C, BV)
-    S = pl.run_scoped(
-        scoped,
-        cp.smem(s_shape, dt),
-        cp.smem(vn_shape, dt),
-        cp.smem((C, BV), dt),
-        cp.smem((C, C), dt),
-        cp.smem((2, C, BV), dt),
-    )
+    if store_h:
+        bufs = (cp.smem((C, BV), dt),)
+    else:
+        bufs = (cp.smem((C, C), dt), cp.smem((2, C, BV), dt))
+    S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), *bufs)
     if not store_h:
 
         def final(st_s):
@@ -175,13 +189,18 @@ def chunk_fwd(
       config: :class:`ChunkFwdConfig`.
     Returns:
       Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32).
-      ``store_h``: (h [B, T/64, HV, K, V] in k.dtype, the state entering each chunk;
-      v_new [B, T, HV, V]).
+      ``store_h``: (h [B, T/64, HV, K, V] in k.dtype, the state entering each chunk (after
+      ``config.state_quant``); v_new [B, T, HV, V]).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     if T % CHUNK or V % config.block_v:
         raise ValueError(f"{k.shape=} {u.shape=}: T % 64 and V % block_v must be 0")
+    if config.state_quant == "matrix" and config.block_v != V:
+        raise NotImplementedError(
+            f"{u.shape=}, block_v={config.block_v}: QAT state granularity 'matrix' needs the "
+            "whole K×V state in one CTA (block_v == V); use 'column' or block_v=V"
+        )
     nt = T // CHUNK
     if config.store_h:
         out_type = (

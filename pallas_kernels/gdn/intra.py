@@ -23,8 +23,10 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels.gdn.fake_quant import fake_quant_e4m3
 
 CHUNK = 64
+W_QUANT = {"row": "rows", "tile": "all"}  # QAT granularity of w -> groups of the [C, K] tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,16 +35,22 @@ class IntraConfig:
 
     Attributes:
       store_a: also write A (16-bit) for the backward.
+      w_quant: QAT fake quantisation (FP8-E4M3, dynamic scale) of w before it is stored:
+        ``None`` (off), ``"row"`` (one scale per token row, amax over K) or ``"tile"`` (one per
+        chunk and head, amax over the [64, K] tile).
     """
 
     store_a: bool = False
+    w_quant: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.store_a, bool):
             raise TypeError(f"{self.store_a=} must be a bool")
+        if self.w_quant is not None and self.w_quant not in W_QUANT:
+            raise ValueError(f"{self.w_quant=} must be None or one of {tuple(W_QUANT)}")
 
 
-def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool):
+def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: str | None):
     w_g, u_g = outs[0], outs[1]
     a_g = outs[2] if store_a else None
     C = CHUNK
@@ -101,7 +109,10 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool):
         # w = (A diag(β e^G)) k and u = (A diag(β)) v: scale A's columns, not k's and v's rows
         oy_s[...] = (X * cp.bcast_cols(be_c * jnp.exp(g_c), (C, C))).astype(dt)
         plgpu.commit_smem()
-        w_s[...] = cp.matmul(oy_s, k_s, (C, K)).astype(dt)
+        w = cp.matmul(oy_s, k_s, (C, K))
+        if w_quant is not None:  # QAT: quantised in f32 registers, then rounded like unquantised w
+            w = fake_quant_e4m3(w, W_QUANT[w_quant])
+        w_s[...] = w.astype(dt)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(w_s, w_g.at[b, rows, hv, :])
         if store_a:
@@ -143,7 +154,8 @@ def intra_chunk(
       beta: [B, HV, T] f32 (padded rows zero).
       config: :class:`IntraConfig`.
     Returns:
-      w [B, T, HV, K], u [B, T, HV, V] in k.dtype, and if ``config.store_a`` A [B, T, HV, 64].
+      w [B, T, HV, K] (fake-quantised with ``config.w_quant``), u [B, T, HV, V] in k.dtype, and
+      if ``config.store_a`` A [B, T, HV, 64].
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -157,7 +169,7 @@ def intra_chunk(
         out_type.append(jax.ShapeDtypeStruct((B, T, HV, CHUNK), k.dtype))
 
     def body(*refs):
-        _intra_body(*refs, group=HV // H, store_a=config.store_a)
+        _intra_body(*refs, group=HV // H, store_a=config.store_a, w_quant=config.w_quant)
 
     fn = cp.kernel(
         body,

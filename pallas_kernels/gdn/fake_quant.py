@@ -1,0 +1,57 @@
+"""In-register FP8-E4M3 fake quantisation for the GDN kernels (QAT, fused: no extra HBM pass).
+
+The formula is the one of ``gdn_jax.qat.fake_quant`` (this package imports nothing from
+``gdn_jax``; the tests check that both agree bitwise):
+
+    amax  = max |x| over the group
+    inv   = 448 / amax          (1 where amax == 0)
+    scale = amax * f32(1/448)   (1 where amax == 0)
+    x_q   = f32(e4m3(x * inv)) * scale          (round to nearest even)
+
+Groups are the rows, the columns or the whole of a 2-D f32 register tile (WGMMA layout). The
+whole-tile maximum is a row reduction followed by a column reduction of its broadcast, so only
+the 1-axis reductions Mosaic GPU lowers are needed. The gradient of the fake quant is the
+identity (straight-through), so the backward kernels need no quantiser: they are fed the
+quantised tensors that the forward used.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat as cp
+
+__all__ = ["E4M3_MAX", "GROUPS", "fake_quant_e4m3"]
+
+E4M3_MAX = 448.0
+GROUPS = ("rows", "cols", "all")
+f32 = jnp.float32
+
+
+def fake_quant_e4m3(x: jax.Array, groups: str) -> jax.Array:
+    """Quantise-dequantise a 2-D f32 register tile to FP8-E4M3 with a dynamic scale.
+
+    Args:
+      x: [R, N] f32 (WGMMA layout, e.g. a wgmma result or the state carry).
+      groups: ``"rows"`` (one scale per row, amax over N), ``"cols"`` (one per column, amax over
+        R) or ``"all"`` (one for the tile).
+    Returns:
+      [R, N] f32, every value ``e4m3 * scale``.
+    """
+    if groups not in GROUPS:
+        raise ValueError(f"{groups=} must be one of {GROUPS}")
+    shape = x.shape
+    a = jnp.abs(x)
+    if groups == "rows":
+        amax, expand = jnp.max(a, axis=1), cp.bcast_rows
+    elif groups == "cols":
+        amax, expand = jnp.max(a, axis=0), cp.bcast_cols
+    else:
+        amax, expand = jnp.max(cp.bcast_rows(jnp.max(a, axis=1), shape), axis=0), cp.bcast_cols
+    # per group: one division, then only multiplies (the same operations as gdn_jax.qat)
+    nonzero = amax > 0
+    inv = jnp.where(nonzero, E4M3_MAX / jnp.where(nonzero, amax, 1.0), 1.0)
+    scale = jnp.where(nonzero, amax * f32(1.0 / E4M3_MAX), 1.0)
+    q = (x * expand(inv, shape)).astype(jnp.float8_e4m3fn).astype(f32)
+    return q * expand(scale, shape)
