@@ -3,7 +3,7 @@
 Usage (on the GPU machine, from the checkout)::
 
     PYTHONPATH=. python3 benchmarks/bench_gdn.py [--shapes NAME ...] [--impls pallas xla fla]
-        [--json out.json] [--stages]
+        [--json out.json] [--stages] [--variant gdn|kda|gdn2] [--fwd-only] [--qat]
 
 Timing: jitted JAX functions are dispatched ``iters`` times back to back after a warm-up and the
 device is synchronised once; the per-call time of each such batch is recorded and the median of
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -68,7 +69,7 @@ def roofline(s) -> dict:
     }
 
 
-def inputs(s, seed=0):
+def inputs(s, seed=0, variant="gdn"):
     r = np.random.default_rng(seed)
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
 
@@ -76,14 +77,20 @@ def inputs(s, seed=0):
         x = r.standard_normal(shape, dtype=np.float32)
         return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
-    return dict(
+    gshape = (B, T, HV) if variant == "gdn" else (B, T, HV, K)
+    x = dict(
         q=unit((B, T, H, K)),
         k=unit((B, T, H, K)),
         v=r.standard_normal((B, T, HV, V), dtype=np.float32),
-        g=np.log(r.uniform(0.9, 1.0, (B, T, HV))).astype(np.float32),
+        g=np.log(r.uniform(0.9, 1.0, gshape)).astype(np.float32),
         beta=r.uniform(0.0, 1.0, (B, T, HV)).astype(np.float32),
         do=r.standard_normal((B, T, HV, V), dtype=np.float32),
     )
+    if variant == "gdn2":  # erase gate per key channel, write gate per value channel
+        x["b"] = r.uniform(0.0, 1.0, (B, T, HV, K)).astype(np.float32)
+        x["w"] = r.uniform(0.0, 1.0, (B, T, HV, V)).astype(np.float32)
+        del x["beta"]
+    return x
 
 
 def time_jax(f, args, *, iters=20, reps=7) -> float:
@@ -101,26 +108,68 @@ def time_jax(f, args, *, iters=20, reps=7) -> float:
     return 1e3 * statistics.median(times)
 
 
-def bench_jax(s, impl, x) -> dict:
+def bench_jax(s, impl, x, variant="gdn", fwd_only=False, qat=None) -> dict:
     import gdn_jax
 
     bf = jnp.bfloat16
     q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
-    g, beta = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
+    gates = ("g", "b", "w") if variant == "gdn2" else ("g", "beta")
+    gate_args = tuple(jnp.asarray(x[n]) for n in gates)
     do = jnp.asarray(x["do"], bf)
+    fn = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}[variant]
 
-    def op(q, k, v, g, beta):
-        return gdn_jax.gated_delta_rule(q, k, v, g, beta, implementation=impl)[0]
+    def op(*a):
+        return fn(*a, implementation=impl, qat=qat)[0]
 
     fwd = jax.jit(op)
 
-    def loss(q, k, v, g, beta, do):
-        return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * do.astype(jnp.float32))
+    def loss(*a):
+        *a, do = a
+        return jnp.sum(op(*a).astype(jnp.float32) * do.astype(jnp.float32))
 
     # do is an argument, not a closure constant: XLA would constant-fold its transposes (minutes)
-    fb = jax.jit(jax.value_and_grad(loss, argnums=range(5)))
-    args = (q, k, v, g, beta)
-    return {"fwd_ms": time_jax(fwd, args), "fwdbwd_ms": time_jax(fb, (*args, do), iters=10)}
+    args = (q, k, v) + gate_args
+    fb = jax.jit(jax.value_and_grad(loss, argnums=range(len(args))))
+    r = {"fwd_ms": time_jax(fwd, args)}
+    if not fwd_only:
+        r["fwdbwd_ms"] = time_jax(fb, (*args, do), iters=10)
+    return r
+
+
+def bench_qat(shapes, impls) -> list[dict]:
+    """QAT cost: fwd and fwd+bwd of each impl with QAT off and on (both sites, each granularity
+    pair), all in one run."""
+    from gdn_jax.qat import QATConfig
+
+    configs = {
+        "off": None,
+        "column_row": QATConfig(state_granularity="column", w_granularity="row"),
+        "matrix_tile": QATConfig(state_granularity="matrix", w_granularity="tile"),
+    }
+    rows = []
+    for name in shapes:
+        s, x = SHAPES[name], inputs(SHAPES[name])
+        for impl in impls:
+            for cname, cfg in configs.items():
+                try:
+                    r = bench_jax(s, impl, x, qat=cfg)
+                except Exception as e:  # noqa: BLE001  report and go on
+                    r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                rows.append({"shape": name, "impl": impl, "qat": cname, **r})
+                print(name, impl, "qat", cname, json.dumps(r), flush=True)
+    hdr = ("shape", "impl", "qat", "fwd", "cost", "fwd+bwd", "cost")
+    print("\n{:26s} {:7s} {:12s} {:>8s} {:>7s} {:>8s} {:>7s}".format(*hdr))
+    base = {(r["shape"], r["impl"]): r for r in rows if r["qat"] == "off"}
+    for r in rows:
+        b = base.get((r["shape"], r["impl"]), {})
+        keys = ("fwd_ms", "fwdbwd_ms")
+        t = [r.get(k, float("nan")) for k in keys]
+        c = [r.get(k, float("nan")) / b.get(k, float("nan")) - 1 for k in keys]
+        print(
+            f"{r['shape']:26s} {r['impl']:7s} {r['qat']:12s} "
+            f"{t[0]:8.3f} {c[0]:+7.1%} {t[1]:8.3f} {c[1]:+7.1%}"
+        )
+    return rows
 
 
 def bench_stages(s, x) -> dict:
@@ -167,12 +216,18 @@ def bench_stages(s, x) -> dict:
     }
 
 
-def bench_fla(s, x) -> dict:
+def bench_fla(s, x, variant="gdn", fwd_only=False) -> dict:
     import fla.ops.common.chunk_o as fla_chunk_o
     import fla.utils
     import torch
     import triton
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if variant == "kda":
+        from fla.ops.kda import chunk_kda as chunk_gated_delta_rule
+    elif variant == "gdn2":
+        from fla.ops.gdn2 import chunk_gdn2 as chunk_gated_delta_rule  # absent in older fla
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     patched = not fla.utils.TRITON_ABOVE_3_7_1  # the package-wide flag is never patched
     fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated bwd on Triton<3.7.1
@@ -181,19 +236,24 @@ def bench_fla(s, x) -> dict:
     t = {n: torch.from_numpy(x[n]).to(dev) for n in x}
     q, k, v = (t[n].to(bf).requires_grad_() for n in ("q", "k", "v"))
     g = t["g"].requires_grad_()
-    beta = t["beta"].to(bf).requires_grad_()
+    if variant == "gdn2":
+        gates = [g, t["b"].to(bf).requires_grad_(), t["w"].to(bf).requires_grad_()]
+    else:
+        gates = [g, t["beta"].to(bf).requires_grad_()]
     do = t["do"].to(bf)
 
     def fwd():
         with torch.no_grad():
-            return chunk_gated_delta_rule(q, k, v, g, beta, scale=s.K**-0.5)[0]
+            return chunk_gated_delta_rule(q, k, v, *gates, scale=s.K**-0.5)[0]
 
     def fb():
-        o = chunk_gated_delta_rule(q, k, v, g, beta, scale=s.K**-0.5)[0]
+        o = chunk_gated_delta_rule(q, k, v, *gates, scale=s.K**-0.5)[0]
         o.backward(do)
 
-    grads = [q, k, v, g, beta]
+    grads = [q, k, v, *gates]
     f_ms = triton.testing.do_bench(fwd, warmup=50, rep=300, return_mode="median")
+    if fwd_only:
+        return {"fwd_ms": f_ms}
     fb_ms = triton.testing.do_bench(
         fb, warmup=50, rep=500, grad_to_none=grads, return_mode="median"
     )
@@ -206,6 +266,9 @@ def main(argv=None):
     p.add_argument("--impls", nargs="*", default=["pallas", "fla", "xla"])
     p.add_argument("--json", default=None)
     p.add_argument("--stages", action="store_true", help="per-kernel times of the pallas path")
+    p.add_argument("--variant", choices=("gdn", "kda", "gdn2"), default="gdn")
+    p.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    p.add_argument("--qat", action="store_true", help="QAT cost (off vs on) for pallas and xla")
     a = p.parse_args(argv)
 
     dev = jax.devices()[0]
@@ -223,20 +286,27 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001  FLA is optional
         meta["fla"] = f"unavailable ({type(e).__name__}: {e})"
     print(json.dumps(meta), flush=True)
+    if a.qat:
+        rows = bench_qat(a.shapes, [i for i in a.impls if i != "fla"])
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"meta": meta, "qat_rows": rows}, f, indent=1)
+        return
 
     rows = []
     for name in a.shapes:
         s = SHAPES[name]
-        x = inputs(s)
-        row = {"shape": name, **roofline(s)}
+        x = inputs(s, variant=a.variant)
+        row = {"shape": name, "variant": a.variant, **roofline(s)}
         for impl in a.impls:
             try:
-                r = bench_fla(s, x) if impl == "fla" else bench_jax(s, impl, x)
+                bench = bench_fla if impl == "fla" else functools.partial(bench_jax, impl=impl)
+                r = bench(s, x=x, variant=a.variant, fwd_only=a.fwd_only)
             except Exception as e:  # noqa: BLE001  report and go on with the other impls
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             row[impl] = r
             print(name, impl, json.dumps(r), flush=True)
-        if a.stages:
+        if a.stages and a.variant == "gdn":
             try:
                 row["pallas_stages_ms"] = bench_stages(s, x)
             except Exception as e:  # noqa: BLE001
@@ -252,7 +322,8 @@ def main(argv=None):
         return v if isinstance(v, float) else float("nan")
 
     print()
-    print(f"{meta['device']}  jax {meta['jax']}  fla {meta.get('fla')}  {meta['date']}")
+    print(f"{meta['device']}  jax {meta['jax']}  fla {meta.get('fla')}  {meta['date']}", end="")
+    print(f"  variant {a.variant}")
     if any(r.get("fla", {}).get("patched_triton_gate") for r in rows):
         print("NOTE: FLA gated backward forced on (TRITON_ABOVE_3_7_1 = True), timing only")
     hdr = (

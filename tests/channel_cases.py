@@ -1,0 +1,82 @@
+"""Case builders for the channel-gated variants (GDN2, KDA): inputs, cotangents, every gradient in
+one pass, and the 2x tolerance rule of DESIGN §7. Ops and references come from
+:mod:`tests.gdn_cases`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gdn_cases import OPS, RECURRENT, positional
+
+from gdn_jax.testing import random_inputs, rel_rms
+
+# names of loss_and_grads' outputs: o, final state, then d(positional args), dh0
+NAMES = {
+    "kda": ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
+    "gdn2": ("o", "final_state", "dq", "dk", "dv", "dg", "db", "dw", "dh0"),
+}
+
+
+def channel_case(seed, variant, B, T, H, HV, K, V, cu=None, gate_scale=1.0):
+    """Random inputs (initial state scaled by 0.1), cotangents for o and the final state, and
+    cu_seqlens as an int32 array (or None)."""
+    n = B if cu is None else len(cu) - 1
+    x = random_inputs(
+        seed, B=B, T=T, H=H, HV=HV, K=K, V=V, variant=variant, n_states=n, gate_scale=gate_scale
+    )
+    x["initial_state"] = 0.1 * x["initial_state"]
+    r = np.random.default_rng(seed + 1)
+    cts = (
+        jnp.asarray(r.standard_normal((B, T, HV, V)), jnp.float32),
+        jnp.asarray(r.standard_normal((n, HV, K, V)), jnp.float32),
+    )
+    return x, (None if cu is None else jnp.asarray(cu, jnp.int32)), cts
+
+
+def pallas_op(variant):
+    """The public op with ``implementation="pallas"``."""
+
+    def fn(*args, **kw):
+        return OPS[variant](*args, implementation="pallas", **kw)
+
+    return fn
+
+
+def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, **kw):
+    """(o, final state, *grads of Σ o·do + Σ final·dfinal w.r.t. the positional args and h0),
+    with q, k, v cast to ``dtype``; gates stay f32. ``kw`` go to ``fn`` (default l2norm on)."""
+    do, dht = cts
+    kw = dict(dict(use_qk_l2norm=True), **kw)
+
+    def loss(args, h0):
+        o, s = fn(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * dht), (o, s)
+
+    args = positional(x, variant)
+    args = tuple(a.astype(dtype) for a in args[:3]) + tuple(args[3:])
+    f = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    if jit:
+        f = jax.jit(f)
+    (_, (o, s)), (dargs, dh0) = f(args, x["initial_state"])
+    return (o, s, *dargs, dh0)
+
+
+def check_2x(variant, fn, x, cu, cts, dtype, *, floor=1e-5, names=None, jit=True):
+    """Asserts error(fn, f32 reference) <= 2 * error(reference in ``dtype``) + floor for every
+    output and gradient; returns fn's results and prints the relative RMS errors."""
+    ref32 = loss_and_grads(RECURRENT[variant], variant, x, cu, jnp.float32, cts, jit=jit)
+    ref_lo = loss_and_grads(RECURRENT[variant], variant, x, cu, dtype, cts, jit=jit)
+    got = loss_and_grads(fn, variant, x, cu, dtype, cts, jit=jit)
+    report = []
+    bad = []
+    for name, a, b, r in zip(NAMES[variant], got, ref_lo, ref32, strict=True):
+        if names is not None and name not in names:
+            continue
+        err, budget = rel_rms(a, r), rel_rms(b, r)
+        report.append(f"{name}: {err:.2e} (ref {budget:.2e})")
+        if not err <= 2 * budget + floor:
+            bad.append(name)
+    print(variant, "; ".join(report))
+    assert not bad, (bad, "; ".join(report))
+    return got
