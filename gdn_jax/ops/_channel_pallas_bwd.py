@@ -34,7 +34,7 @@ CHUNK = 64
 f32 = jnp.float32
 
 
-def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float):
+def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float, sliced: bool = False):
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
 
     Args:
@@ -45,6 +45,7 @@ def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float):
       h0: [N, HV, K, V] f32 initial state.
       do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state.
       scale: the output scale.
+      sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices.
     Returns:
       (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
       db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32).
@@ -69,9 +70,22 @@ def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float):
     dh, dvh, dvl, dh0 = channel_bwd_dh(
         qg, kg, wk, do, aqk, egl, dht, ChannelBwdDhConfig(scale=scale)
     )
-    dq, dk_a, dwk, dG_a = channel_bwd_dqkw(q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale)
+    dq, dk_a, dwk, dG_a = channel_bwd_dqkw(
+        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced
+    )
     outs = channel_bwd_wy(
-        k, v, G, gr, gl, bk, w, A, dwk, dvh, dvl, ChannelBwdWyConfig(scalar_beta=scalar)
+        k,
+        v,
+        G,
+        gr,
+        gl,
+        bk,
+        w,
+        A,
+        dwk,
+        dvh,
+        dvl,
+        ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced),
     )
     if scalar:
         dk_b, dv, dG_b, dbeta = outs

@@ -11,7 +11,6 @@ and with per-token log-decays ≥ −d every factor is at most ``e^{8 d}`` (``e^
 from the f32/bf16 range; rows after sub-chunk I are masked *before* the exponential. The decayed
 products of the backward are then sums of four plain tensor-core products:
 
-    gram:  M_ij   = Σ_d X_id Y_jd e^{G_id − G_jd}                 (j ≤ last(I) for i ∈ I)
     rows:  Z_i    = Σ_j D_ij (Y_j ⊙ e^{G_i − G_j})                (D lower triangular)
     cols:  Z_j    = Σ_i D_ij (X_i ⊙ e^{G_i − G_j})
 
@@ -28,14 +27,24 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
-from pallas_kernels._compat import plgpu
+from pallas_kernels._compat import pl, plgpu
 
 CHUNK = 64
 SUB = 16
 NSUB = CHUNK // SUB
 f32 = jnp.float32
 
-__all__ = ["Decay", "CHUNK", "SUB", "NSUB"]
+__all__ = ["Decay", "CHUNK", "SUB", "NSUB", "slice_smem"]
+
+
+def slice_smem(shape, dtype, sliced: bool):
+    """A 16-bit SMEM tile; ``sliced``: 32-byte swizzle, so that 16-row slices of it are valid
+    wgmma operands with a 16-deep contraction (a 128-byte swizzle needs multiples of 64)."""
+    if not sliced:
+        return cp.smem(shape, dtype)
+    return plgpu.SMEM(
+        tuple(shape), dtype, transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    )
 
 
 class Decay:
@@ -72,13 +81,16 @@ class Decay:
     def bref(self, i: int) -> jax.Array:
         return cp.bcast_cols(self.ref(i), self.shape)
 
-    def e_own(self) -> jax.Array:
-        """e^{G_i − r_{I(i)}}: each row against its own sub-chunk's reference (|exp.| ≤ 8 d)."""
-        G = self.G()
+    def own_ref(self) -> jax.Array:
+        """[C, K]: each row's sub-chunk reference row r_{I(i)}."""
         R = self.bref(NSUB - 1)
         for i in range(NSUB - 2, -1, -1):
             R = jnp.where(self.blk == i, self.bref(i), R)
-        return jnp.exp(G - R)
+        return R
+
+    def e_own(self) -> jax.Array:
+        """e^{G_i − r_{I(i)}}: each row against its own sub-chunk's reference (|exp.| ≤ 8 d)."""
+        return jnp.exp(self.G() - self.own_ref())
 
     def e_to(self, i: int) -> jax.Array:
         """e^{r_i − G_j} for rows j ≤ last(i), 0 below (masked before exp)."""
@@ -95,30 +107,26 @@ class Decay:
     # ----------------------------------------------------------------------------------------
     # products
 
-    def gram(self, X, Y, xs_s, ys_s) -> jax.Array:
-        """M_ij = Σ_d X_id Y_jd e^{G_id − G_jd} for j ≤ last(I(i)); other entries are garbage-free
-        but not masked by causality (callers mask). X, Y: [C, K] f32 registers.
-
-        Returns: [C, C] f32.
-        """
-        C = self.shape[0]
-        XE = X * self.e_own()
-        M = None
-        for i in range(NSUB):
-            xs_s[...] = jnp.where(self.in_blk(i), XE, 0.0).astype(self.dt)
-            ys_s[...] = (Y * self.e_to(i)).astype(self.dt)
-            plgpu.commit_smem()
-            t = cp.matmul(xs_s, ys_s.T, (C, C))
-            M = t if M is None else M + t
-        return M
-
-    def rows(self, d_s, Y, ys_s) -> jax.Array:
+    def rows(self, d_s, Y, ys_s, dt_s=None) -> jax.Array:
         """Z_i = Σ_j D_ij Y_j e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
 
-        Y: [C, K] f32 registers. Returns [C, K] f32.
+        Y: [C, K] f32 registers. Returns [C, K] f32. With ``dt_s`` (Dᵀ in SMEM) each sub-chunk
+        J of columns is one wgmma with a 16-deep contraction, ``D[:, J] (Y_J e^{r_J − G_J})``,
+        scaled by ``e^{G_i − r_J}`` afterwards (a quarter of the unsliced work).
         """
         C, K = self.shape
         Z = None
+        if dt_s is not None:
+            ys_s[...] = (Y * jnp.exp(self.own_ref() - self.G())).astype(self.dt)
+            plgpu.commit_smem()
+            for j in range(NSUB):
+                sl = pl.ds(SUB * j, SUB)
+                keep = self.row >= SUB * j
+                t = cp.matmul(dt_s.at[sl].T, ys_s.at[sl], (C, K))
+                e = jnp.exp(jnp.where(keep, self.G() - self.bref(j), 0.0))
+                t = jnp.where(keep, t * e, 0.0)
+                Z = t if Z is None else Z + t
+            return Z
         for i in range(NSUB):
             ys_s[...] = (Y * self.e_to(i)).astype(self.dt)
             plgpu.commit_smem()
@@ -126,17 +134,26 @@ class Decay:
             Z = t if Z is None else Z + t
         return Z * self.e_own()
 
-    def cols(self, d_s, X, xs_s) -> jax.Array:
+    def cols(self, d_s, X, xs_s, *, sliced: bool = False) -> jax.Array:
         """Z_j = Σ_i D_ij X_i e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
 
-        X: [C, K] f32 registers. Returns [C, K] f32.
+        X: [C, K] f32 registers. Returns [C, K] f32. ``sliced``: each sub-chunk I of rows is one
+        wgmma with a 16-deep contraction ``D[I, :]ᵀ (X_I e^{G_I − r_I})``.
         """
         C, K = self.shape
         XE = X * self.e_own()
         Z = None
-        for i in range(NSUB):
-            xs_s[...] = jnp.where(self.in_blk(i), XE, 0.0).astype(self.dt)
+        if sliced:
+            xs_s[...] = XE.astype(self.dt)
             plgpu.commit_smem()
-            t = self.e_to(i) * cp.matmul(d_s.T, xs_s, (C, K))
+        for i in range(NSUB):
+            if sliced:
+                sl = pl.ds(SUB * i, SUB)
+                t = cp.matmul(d_s.at[sl].T, xs_s.at[sl], (C, K))
+            else:
+                xs_s[...] = jnp.where(self.in_blk(i), XE, 0.0).astype(self.dt)
+                plgpu.commit_smem()
+                t = cp.matmul(d_s.T, xs_s, (C, K))
+            t = self.e_to(i) * t
             Z = t if Z is None else Z + t
         return Z

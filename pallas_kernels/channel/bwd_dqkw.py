@@ -24,7 +24,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay
+from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
 
@@ -32,7 +32,7 @@ f32 = jnp.float32
 def _dqkw_body(
     q_g, k_g, g_g, gr_g, gl_g, h_g, dh_g, vn_g, do_g, dvh_g, dvl_g,  # inputs
     dq_g, dk_g, dw_g, dg_g,  # outputs
-    *, scale: float, group: int,
+    *, scale: float, group: int, sliced: bool,
 ):  # fmt: skip
     C = CHUNK
     c = lax.axis_index("c")
@@ -70,9 +70,16 @@ def _dqkw_body(
         dec = Decay(g_s, gr_s, gl_s, dt)
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
-        dov = cp.matmul(do_s, vn_s.T, (C, C))
-        dp_s[...] = (jnp.where(row >= col, dov, 0.0) * scale).astype(dt)
-        plgpu.commit_smem()
+
+        def put_dp(transposed: bool):  # dP (or dPᵀ) = scale (do v_newᵀ) ⊙ [j ≤ i]
+            if transposed:
+                m = jnp.where(row <= col, cp.matmul(vn_s, do_s.T, (C, C)), 0.0)
+            else:
+                m = jnp.where(row >= col, cp.matmul(do_s, vn_s.T, (C, C)), 0.0)
+            dp_s[...] = (m * scale).astype(dt)
+            plgpu.commit_smem()
+
+        put_dp(sliced)  # the sliced "rows" product reads dPᵀ
 
         # the h products: output part of dq, and dw = −dv2 hᵀ (dv2 = hi + lo)
         dq = cp.matmul(do_s, h_s.T, (C, K)) * (jnp.exp(dec.G()) * scale)
@@ -93,10 +100,14 @@ def _dqkw_body(
 
         q = cp.load_tile(q_s).astype(f32)
         k = cp.load_tile(k_s).astype(f32)
-        dq = dq + dec.rows(dp_s, k, x_s)
+        if sliced:
+            dq = dq + dec.rows(None, k, x_s, dt_s=dp_s)
+            put_dp(False)
+        else:
+            dq = dq + dec.rows(dp_s, k, x_s)
         r1 = dq * q
         emit(dq, dq_g.at[b, rows, hv, :])
-        dk = dec.cols(dp_s, q, x_s)
+        dk = dec.cols(dp_s, q, x_s, sliced=sliced)
         plgpu.barrier_wait(bar.at[len(srcs)])
         dks = cp.matmul(vn_s, h_s.T, (C, K)) * dec.e_last()  # the state part of dk
         last = jnp.sum(dks * k, axis=0)
@@ -119,14 +130,16 @@ def _dqkw_body(
         cp.smem((C, V), dt),  # do
         cp.smem((C, V), dt),  # dv2 hi
         cp.smem((C, V), dt),  # dv2 lo
-        cp.smem((C, C), dt),  # dP
-        cp.smem((C, K), dt),  # operand scratch (and the dw staging)
+        slice_smem((C, C), dt, sliced),  # dP
+        slice_smem((C, K), dt, sliced),  # operand scratch (and the dw staging)
         cp.smem((C, K), f32),  # f32 output staging
         plgpu.Barrier(num_barriers=11),
     )
 
 
-def channel_bwd_dqkw(q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo, *, scale: float):
+def channel_bwd_dqkw(
+    q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo, *, scale: float, sliced: bool = False
+):
     """dq, dk (output/state parts), dw and the gate gradient pieces for every chunk.
 
     Args:
@@ -137,6 +150,7 @@ def channel_bwd_dqkw(q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo, *, s
       h, dh: [B, T/64, HV, K, V] io dtype (state entering / state gradient leaving each chunk).
       v_new, do, dv2_hi, dv2_lo: [B, T, HV, V] io dtype.
       scale: output scale.
+      sliced: form the decayed products with 16-deep contractions over sub-chunk slices.
     Returns:
       dq, dk [B, T, HV, K] f32 (per value head), dw [B, T, HV, K] io dtype,
       dG [B, T, HV, K] f32 (gradient w.r.t. G of the output/state parts, without the last-row
@@ -158,7 +172,7 @@ def channel_bwd_dqkw(q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo, *, s
     )
 
     def body(*refs):
-        _dqkw_body(*refs, scale=scale, group=HV // H)
+        _dqkw_body(*refs, scale=scale, group=HV // H, sliced=sliced)
 
     fn = cp.kernel(
         body, out_type=out_type, grid=(nt, HV, B), grid_names=("c", "h", "b"), name="chan_bwd_dqkw"

@@ -28,7 +28,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay
+from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
 
@@ -39,16 +39,19 @@ class ChannelBwdWyConfig:
 
     Attributes:
       scalar_beta: KDA (one β per token and value head, [B, HV, T]); else GDN2 gates.
+      sliced: form the decayed "cols" product with 16-deep contractions over sub-chunk slices.
     """
 
     scalar_beta: bool = False
+    sliced: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.scalar_beta, bool):
-            raise TypeError(f"{self.scalar_beta=} must be a bool")
+        for name in ("scalar_beta", "sliced"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ChannelBwdWyConfig.{name}={getattr(self, name)!r} must be a bool")
 
 
-def _wy_body(*refs, scalar: bool, group: int):
+def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
     if scalar:
         k_g, v_g, g_g, gr_g, gl_g, be_g, a_g, dw_g, duh_g, dul_g = refs[:10]
         dk_g, dv_g, dg_g, dbe_g = refs[10:]
@@ -159,7 +162,7 @@ def _wy_body(*refs, scalar: bool, group: int):
         dbk_l = dec.rows(m_s, k, x_s)
         dbk = dkbg * eG + dbk_l
         dG = (dkbg * eG + dbk_l) * bk  # = dkbg ⊙ bk e^G + dbk_L ⊙ bk
-        dkl = dec.cols(m_s, bk, x_s)
+        dkl = dec.cols(m_s, bk, x_s, sliced=sliced)
         dG = dG - dkl * k
         emit(dG, dg_g.at[b, rows, hv, :])
         dbk_k = dbk * k
@@ -190,12 +193,14 @@ def _wy_body(*refs, scalar: bool, group: int):
         cp.smem((NSUB, K), f32, swizzled=False),  # reference rows
         cp.smem((K,), f32),  # G_last
         gate,  # β, or (b, w_gate)
-        cp.smem((C, C), dt),  # A
-        cp.smem((C, K), dt),  # dw
-        cp.smem((C, V), dt),  # du hi
-        cp.smem((C, V), dt),  # du lo
-        cp.smem((C, K), dt),  # operand scratch
-        cp.smem((C, C), dt),  # dA, dA Aᵀ, then dL
+        # the wgmma operands share one swizzle (32 bytes when sliced: 16-row slices of the
+        # operand scratch and of dL feed 16-deep contractions)
+        slice_smem((C, C), dt, sliced),  # A
+        slice_smem((C, K), dt, sliced),  # dw
+        slice_smem((C, V), dt, sliced),  # du hi
+        slice_smem((C, V), dt, sliced),  # du lo
+        slice_smem((C, K), dt, sliced),  # operand scratch
+        slice_smem((C, C), dt, sliced),  # dA, dA Aᵀ, then dL
         cp.smem((C, K), f32) if scalar else cp.smem((8,), f32),  # f32 staging (KDA)
         cp.smem((C,), f32),  # dβ (KDA)
         plgpu.Barrier(num_barriers=n_bar),
@@ -233,7 +238,7 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
         ins = (k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo)
 
     def body(*refs):
-        _wy_body(*refs, scalar=config.scalar_beta, group=HV // H)
+        _wy_body(*refs, scalar=config.scalar_beta, group=HV // H, sliced=config.sliced)
 
     fn = cp.kernel(
         body,

@@ -83,7 +83,7 @@ def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0):
     return cfg, (q, k, v, G, b, w, h0), (do, dht)
 
 
-def check_core(cfg, res, cts, *, floor=1e-2, jit=True):
+def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False):
     """Driver vs the xla core's VJP: error(driver, f32 core) <= 2 error(bf16 core, f32 core) +
     floor. The inputs are already bf16 here, so the bf16 core differs from the f32 one only where
     it rounds operands (its state-gradient loop is f32: its dh0 error is ~1e-6); the kernels stage
@@ -96,7 +96,7 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True):
         return vjp((cts[0], cts[1]))
 
     def mine(res):
-        return channel_backward_pallas(*res, *cts, scale=cfg.scale)
+        return channel_backward_pallas(*res, *cts, scale=cfg.scale, sliced=sliced)
 
     if jit:
         xla_vjp, mine = jax.jit(xla_vjp), jax.jit(mine)
@@ -123,12 +123,12 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True):
 # CPU: Mosaic GPU interpreter (tiny shapes)
 
 
-@pytest.mark.parametrize("variant", ["gdn2", "kda"])
-def test_interpret_core_grads(variant):
+@pytest.mark.parametrize("variant,sliced", [("gdn2", False), ("kda", True)])
+def test_interpret_core_grads(variant, sliced):
     """All five backward launches against the xla core's VJP (GVA, initial state, 2 chunks)."""
     with pk.use_mode("interpret"):
         cfg, res, cts = core_case(0, variant, 1, 128, 1, 2, 64)
-    _interpret(lambda: check_core(cfg, res, cts, jit=False))
+    _interpret(lambda: check_core(cfg, res, cts, jit=False, sliced=sliced))
 
 
 @pytest.mark.parametrize(
@@ -180,10 +180,11 @@ def test_lowers_for_cuda(variant, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_core_grads(variant):
+def test_gpu_core_grads(variant, sliced):
     cfg, res, cts = core_case(3, variant, 2, 4096, 16, 32, 128)
-    check_core(cfg, res, cts)
+    check_core(cfg, res, cts, sliced=sliced)
 
 
 @pytest.mark.gpu
