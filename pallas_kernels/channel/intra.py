@@ -17,9 +17,11 @@ per 16-row sub-chunk I: rows i of I get ``x_i e^{G_i − r_I}`` and columns j �
 ``k_j e^{r_I − G_j}``; one wgmma per sub-chunk accumulates ``L`` (and ``Aqk``), whose row operand
 is zero outside I. For columns in earlier sub-chunks the column factor is ≤ 1 (G is non-increasing).
 The reference row is the sub-chunk's middle row (row 8), so inside the diagonal 16×16 block every
-factor is bounded by e^{8·|g|max}: finite and accurate for per-token log-decays down to about −10
-(e^{80} < f32/bf16 max), which covers the required −5 per token with margin. Exponents of rows or
-columns a sub-chunk does not use are masked to 0 *before* ``exp``.
+factor is bounded by e^{8·|g|max}: finite and accurate for per-token log-decays down to −10
+(e^{80} < f32/bf16 max); the op clamps log-decays at −10, which covers the required −5 per token
+with margin. Products above the diagonal may overflow to inf in the accumulator; they are dropped
+with ``where`` (never multiplied by a mask). Exponents of rows or columns a sub-chunk does not use
+are masked to 0 *before* ``exp``.
 
 Precision: K-contractions, A and every accumulation in f32; wgmma operands (the factored k, q,
 A, the gated v) are 16-bit. Outputs are stored in the io dtype.
@@ -104,21 +106,25 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
             plgpu.barrier_wait(bar.at[i])
 
         blk = lax.shift_right_logical(cp.iota((C, K), 0), 4)  # sub-chunk of each row
-        Gt = cp.load_tile(G_s)
-        kt = cp.load_tile(k_s).astype(f32)
-        qt = cp.load_tile(q_s).astype(f32)
-        bk = kt if scalar else cp.load_tile(b_s) * kt
+
+        # Tiles are re-read from SMEM where used rather than kept live in registers: four live
+        # [64, 128] f32 tiles would already exhaust the register file.
+        def k_f32():
+            return cp.load_tile(k_s).astype(f32)
+
+        def bk_f32():  # the erase-gated key (KDA: β is applied to L's rows instead)
+            return k_f32() if scalar else cp.load_tile(b_s) * k_f32()
 
         # L and Aqk: one factored product per sub-chunk I (rows of I only, columns up to I's end)
         L = P = None
         for I in range(NSUB):
-            d = Gt - cp.bcast_cols(_tiles.col_vec_row(gr_s, I), (C, K))
+            d = cp.load_tile(G_s) - cp.bcast_cols(_tiles.col_vec_row(gr_s, I), (C, K))
             in_i = blk == I
             upto = blk <= I
             e_row = jnp.exp(jnp.where(in_i, d, 0.0))
-            a_s[...] = jnp.where(in_i, bk * e_row, 0.0).astype(dt)
-            a2_s[...] = jnp.where(in_i, qt * e_row, 0.0).astype(dt)
-            c_s[...] = jnp.where(upto, kt * jnp.exp(jnp.where(upto, -d, 0.0)), 0.0).astype(dt)
+            a_s[...] = jnp.where(in_i, bk_f32() * e_row, 0.0).astype(dt)
+            a2_s[...] = jnp.where(in_i, cp.load_tile(q_s).astype(f32) * e_row, 0.0).astype(dt)
+            c_s[...] = jnp.where(upto, k_f32() * jnp.exp(jnp.where(upto, -d, 0.0)), 0.0).astype(dt)
             plgpu.commit_smem()
             li = cp.matmul(a_s, c_s.T, (C, C))
             pi = cp.matmul(a2_s, c_s.T, (C, C))
@@ -131,11 +137,13 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         L = jnp.where(row > col, L, 0.0)
         if scalar:
             L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
-        # qg = q e^{G} and kg = k e^{G_last − G}: both factors ≤ 1
+        # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1) and w's right operand b ⊙ e^{G} ⊙ k
+        Gt = cp.load_tile(G_s)
         eG = jnp.exp(Gt)
-        a2_s[...] = (qt * eG).astype(dt)
+        a2_s[...] = (cp.load_tile(q_s).astype(f32) * eG).astype(dt)
         gl = cp.bcast_cols(cp.col_vec(gl_s, K), (C, K))
-        c_s[...] = (kt * jnp.exp(gl - Gt)).astype(dt)
+        c_s[...] = (k_f32() * jnp.exp(gl - Gt)).astype(dt)
+        a_s[...] = (bk_f32() * eG).astype(dt)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(aqk_s, aqk_g.at[b, rows, hv, :])
         plgpu.copy_smem_to_gmem(a2_s, qg_g.at[b, rows, hv, :])
@@ -148,14 +156,13 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(x_s, a_g.at[b, rows, hv, :])
         # w = A (b ⊙ e^G ⊙ k); KDA scales A's columns by β instead of the operand's rows
-        a_s[...] = (bk * eG).astype(dt)
         if scalar:
             be_c = cp.col_vec(be_s, C)
             oy_s[...] = (X * cp.bcast_cols(be_c, (C, C))).astype(dt)
         else:
             oy_s[...] = X.astype(dt)
         plgpu.commit_smem()
-        q_s[...] = cp.matmul(oy_s, a_s, (C, K)).astype(dt)  # q_s is free: q lives in qt
+        q_s[...] = cp.matmul(oy_s, a_s, (C, K)).astype(dt)  # q_s is free now
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, w_g.at[b, rows, hv, :])
         # u = A (w_gate ⊙ v)
@@ -166,7 +173,7 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
             plgpu.commit_smem()
             rhs = a_s
         u = cp.matmul(oy_s, rhs, (C, V))
-        k_s[...] = u.astype(dt)  # k_s is free: k lives in kt
+        k_s[...] = u.astype(dt)  # k_s is free now
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_s, u_g.at[b, rows, hv, :])
         plgpu.wait_smem_to_gmem(0)

@@ -198,7 +198,9 @@ def test_gpu_matches_reference(variant, B, T, H, HV, cu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gdn2", "kda"])
-@pytest.mark.parametrize("g_val,gate_val", [(0.0, 0.0), (0.0, 1.0), (-5.0, 1.0), (-5.0, 0.0)])
+@pytest.mark.parametrize(
+    "g_val,gate_val", [(0.0, 0.0), (0.0, 1.0), (-5.0, 1.0), (-5.0, 0.0), (-20.0, 1.0)]
+)
 def test_gpu_extreme_gates(variant, g_val, gate_val):
     x, cu, cts = channel_case(5, variant, 1, 2048, 4, 8, 128, 128)
     x["g"] = jnp.full_like(x["g"], g_val)
