@@ -216,6 +216,33 @@ def bench_stages(s, x) -> dict:
     }
 
 
+def bench_channel_stages(s, x, variant) -> dict:
+    """Per-kernel times of the GDN2/KDA pallas forward (padded layout, T a multiple of 64)."""
+    from gdn_jax.ops._channel_pallas import decay_last, kernel_beta
+    from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
+    from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
+
+    bf = jnp.bfloat16
+    q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
+    B, T, HV, K = s.B, s.T, s.HV, s.K
+    G = jnp.cumsum(jnp.asarray(x["g"]).reshape(B, T // C, C, HV, K), 2).reshape(B, T, HV, K)
+    if variant == "kda":
+        gates = (kernel_beta(jnp.asarray(x["beta"])), None)
+    else:
+        gates = (jnp.asarray(x["b"]), jnp.asarray(x["w"]))
+    icfg = ChannelIntraConfig(scalar_beta=variant == "kda")
+    intra = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, icfg))
+    qg, kg, w, u, aqk = intra(q, k, v, G, *gates)
+    dl = decay_last(G)
+    h0 = jnp.zeros((B, HV, K, s.V), jnp.float32)
+    cfg = ChannelFwdConfig(scale=K**-0.5)
+    fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, cfg))
+    return {
+        "chan_intra": time_jax(intra, (q, k, v, G, *gates)),
+        "chan_chunk_fwd": time_jax(fwd, (qg, kg, w, u, aqk, dl, h0)),
+    }
+
+
 def bench_fla(s, x, variant="gdn", fwd_only=False) -> dict:
     import fla.ops.common.chunk_o as fla_chunk_o
     import fla.utils
@@ -306,9 +333,12 @@ def main(argv=None):
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             row[impl] = r
             print(name, impl, json.dumps(r), flush=True)
-        if a.stages and a.variant == "gdn":
+        if a.stages:
             try:
-                row["pallas_stages_ms"] = bench_stages(s, x)
+                if a.variant == "gdn":
+                    row["pallas_stages_ms"] = bench_stages(s, x)
+                else:
+                    row["pallas_stages_ms"] = bench_channel_stages(s, x, a.variant)
             except Exception as e:  # noqa: BLE001
                 row["pallas_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             print(name, "stages", json.dumps(row["pallas_stages_ms"]), flush=True)
