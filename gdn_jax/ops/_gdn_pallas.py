@@ -78,9 +78,7 @@ class PallasConfig:
     def fwd_config(self, V: int, **kw) -> ChunkFwdConfig:
         """The chunk loop's config; a 'matrix' state scale needs the whole state in one CTA."""
         block_v = V if self.state_quant == "matrix" else 64
-        return ChunkFwdConfig(
-            scale=self.scale, block_v=block_v, state_quant=self.state_quant, **kw
-        )
+        return ChunkFwdConfig(scale=self.scale, block_v=block_v, state_quant=self.state_quant, **kw)
 
 
 def _kernels(cfg: PallasConfig):
@@ -161,8 +159,8 @@ def _unsupported(q, v, chunk_size, qat=None) -> str | None:
         # f16 would stage the f32 state as an f16 tensor-core operand (max 65504): DESIGN §3
         # forbids it, so f16 (like f32) runs on "xla" until the kernels take bf16 state operands.
         return f"{q.dtype=}: the Pallas kernels take bf16 (f16 and f32 run on 'xla')"
-    if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
-        return f"{q.shape=} {v.shape=}: the Pallas kernels need K == V in {{64, 128}}"
+    if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
+        return f"{q.shape=} {v.shape=}: the Pallas kernels need K and V in {{64, 128}}"
     if chunk_size != CHUNK:
         return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
     mode = pk.execution_mode()

@@ -50,7 +50,9 @@ def _dqkw_body(
     dt = q_g.dtype
     rows = pl.ds(c * C, C)
 
-    def scoped(q_s, k_s, h_s, dh_s, vn_s, do_s, dvh_s, dvl_s, ds_s, g_s, out_s, vec_s, bar):
+    def scoped(q_s, k_s, h_s, dh_s, vn_s, do_s, dvh_s, dvl_s, ds_s, g_s, out_s, vec_s, bar, *dv2):
+        # f32 dv2 lands in the output staging tile when the shapes agree (SMEM at K = V = 128)
+        dv2_s = dv2[0] if dv2 else out_s
         srcs = (
             (q_g.at[b, rows, hk, :], q_s),
             (k_g.at[b, rows, hk, :], k_s),
@@ -58,7 +60,7 @@ def _dqkw_body(
             (dh_g.at[b, c, hv], dh_s),
             (vn_g.at[b, rows, hv, :], vn_s),
             (do_g.at[b, rows, hv, :], do_s),
-            (dv2_g.at[b, rows, hv, :], out_s),  # f32 dv2 lands in the output staging tile
+            (dv2_g.at[b, rows, hv, :], dv2_s),
             (g_g.at[b, hv, rows], g_s),
         )
         for i, (src, dst) in enumerate(srcs):
@@ -77,7 +79,7 @@ def _dqkw_body(
         dov = cp.matmul(do_s, vn_s.T, (C, C))
         ds = jnp.where(causal, dov * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0) * scale
         ds_s[...] = ds.astype(dt)
-        _split_hi_lo(out_s, dvh_s, dvl_s, dt)
+        _split_hi_lo(dv2_s, dvh_s, dvl_s, dt)
         plgpu.commit_smem()
 
         def emit(x, dst):
@@ -138,9 +140,10 @@ def _dqkw_body(
         cp.smem((C, V), dt),  # dv2 lo
         cp.smem((C, C), dt),  # ds
         cp.smem((C,), f32),  # G
-        cp.smem((C, K), f32),  # dv2 (f32; K == V), then the f32 output staging
+        cp.smem((C, K), f32),  # the f32 output staging (first dv2 if K == V)
         cp.smem((2 + K // C, C), f32, swizzled=False),  # vector outputs
         plgpu.Barrier(num_barriers=8),
+        *([] if K == V else [cp.smem((C, V), f32)]),  # dv2 (f32) when K != V
     )
 
 
@@ -160,8 +163,8 @@ def bwd_dqkw(q, k, h, dh, v_new, do, dv2, g_cum, *, scale: float):
     """
     B, T, H, K = q.shape
     HV = v_new.shape[2]
-    if v_new.shape[3] != K:
-        raise NotImplementedError(f"{q.shape=} {v_new.shape=}: bwd_dqkw needs K == V")
+    if K % CHUNK or v_new.shape[3] % CHUNK:
+        raise NotImplementedError(f"{q.shape=} {v_new.shape=}: K and V must be multiples of 64")
     nt = T // CHUNK
     S = jax.ShapeDtypeStruct
     out_type = (

@@ -41,7 +41,7 @@ def _wy_body(
     rows = pl.ds(c * C, C)
 
     def scoped(k_s, v_s, a_s, g_s, be_s, dw_s, dvf_s, dvh_s, dvl_s, kbg_s, vb_s, m_s, d_s, as_s,
-               vec_s, bar):  # fmt: skip
+               vec_s, bar, *dk_tile):  # fmt: skip
         srcs = (
             (k_g.at[b, rows, hk, :], k_s),
             (v_g.at[b, rows, hv, :], v_s),
@@ -130,9 +130,7 @@ def _wy_body(
             return acc[...]
 
         dk = pl.run_scoped(dk_mm, plgpu.ACC((C, K), f32))
-        out_s = dvf_s if K == V else None
-        if out_s is None:
-            raise NotImplementedError("bwd_wy stages dk through the dv2 tile: needs K == V")
+        out_s = dk_tile[0] if dk_tile else dvf_s  # dk is staged in the dv2 tile when K == V
         out_s[...] = dk
         vec_s.at[0][...] = db
         vec_s.at[1][...] = dg_row
@@ -162,6 +160,7 @@ def _wy_body(
         cp.smem((C, C), dt),  # A diag(β e^G)
         cp.smem((3, C), f32, swizzled=False),  # vector outputs
         plgpu.Barrier(num_barriers=7),
+        *([] if K == V else [cp.smem((C, K), f32)]),  # dk staging when K != V
     )
 
 
@@ -170,15 +169,15 @@ def bwd_wy(k, v, A, g_cum, beta, dw, dv2):
 
     Args:
       k: [B, T, H, K]; v: [B, T, HV, V]; A: [B, T, HV, 64]; dw: [B, T, HV, K] (io dtype).
-      g_cum, beta: [B, HV, T] f32.  dv2: [B, T, HV, V] f32.  K == V.
+      g_cum, beta: [B, HV, T] f32.  dv2: [B, T, HV, V] f32.  K, V multiples of 64.
     Returns:
       dk [B, T, HV, K] f32 (per value head), dv [B, T, HV, V] io dtype, dbeta [B, HV, T] f32,
       dg_row, dg_col [B, HV, T] f32 (gate gradient = dg_row − dg_col).
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    if K != V:
-        raise NotImplementedError(f"{k.shape=} {v.shape=}: bwd_wy needs K == V")
+    if K % CHUNK or V % CHUNK:
+        raise NotImplementedError(f"{k.shape=} {v.shape=}: K and V must be multiples of 64")
     S = jax.ShapeDtypeStruct
     out_type = (
         S((B, T, HV, K), f32),

@@ -79,14 +79,15 @@ def _check_2x(x, cu, cts, dtype, *, floor=1e-5):
 
 
 @pytest.mark.parametrize(
-    "B,T,H,HV,cu",
+    "B,T,H,HV,K,V,cu",
     [
-        (1, 100, 1, 2, None),  # GVA, partial last chunk, initial state
-        (1, 100, 1, 1, [0, 30, 30, 100]),  # packed with an empty sequence
+        (1, 100, 1, 2, 64, 64, None),  # GVA, partial last chunk, initial state
+        (1, 100, 1, 1, 64, 64, [0, 30, 30, 100]),  # packed with an empty sequence
+        (1, 128, 1, 1, 64, 128, None),  # K != V
     ],
 )
-def test_interpret_forward_and_grads(B, T, H, HV, cu):
-    x, cu, cts = _case(0, B, T, H, HV, 64, 64, cu)
+def test_interpret_forward_and_grads(B, T, H, HV, K, V, cu):
+    x, cu, cts = _case(0, B, T, H, HV, K, V, cu)
     with pk.use_mode("interpret"):
         try:
             _check_2x(x, cu, cts, jnp.bfloat16)
@@ -163,7 +164,7 @@ def test_f16_is_refused_and_falls_back_to_xla():
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
 
 
-@pytest.mark.parametrize("K,V,HV", [(128, 128, 4), (64, 64, 2)])
+@pytest.mark.parametrize("K,V,HV", [(128, 128, 4), (64, 64, 2), (128, 64, 2), (64, 128, 2)])
 def test_lowers_for_cuda(K, V, HV):
     B, T, H = 1, 200, 2
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
@@ -238,6 +239,13 @@ GPU_CASES = [
 def test_gpu_matches_reference(B, T, H, HV, cu, dtype):
     x, cu, cts = _case(7, B, T, H, HV, 128, 128, cu)
     _check_2x(x, cu, cts, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,V", [(128, 64), (64, 128)])
+def test_gpu_k_ne_v(K, V):
+    x, cu, cts = _case(13, 2, 2000, 4, 8, K, V, None)
+    _check_2x(x, cu, cts, jnp.bfloat16)
 
 
 @pytest.mark.gpu
