@@ -115,21 +115,39 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         def bk_f32():  # the erase-gated key (KDA: β is applied to L's rows instead)
             return k_f32() if scalar else cp.load_tile(b_s) * k_f32()
 
-        # L and Aqk: one factored product per sub-chunk I (rows of I only, columns up to I's end)
+        def by_block(vals):
+            """[C, K] tile whose rows in sub-chunk J hold vals[J] (a [K] vector or a scalar),
+            zero in sub-chunks past the end of ``vals``."""
+            t = 0.0
+            for J in reversed(range(len(vals))):
+                v = vals[J]
+                v = cp.bcast_cols(v, (C, K)) if hasattr(v, "shape") else v
+                t = jnp.where(blk == J, v, t)
+            return t
+
+        # Row factors e^{G_i − r_J(i)} around the reference row of the row's own sub-chunk J
+        # (|exponent| ≤ 8 steps), computed once; sub-chunk I's column factors e^{r_I − G_j}
+        # (j ≤ end(I)) are one exponent each: never split into a tiny and a huge factor.
+        r = [_tiles.col_vec_row(gr_s, J) for J in range(NSUB)]
+        d = cp.load_tile(G_s) - by_block(r)  # G_i − r_J(i)
+        e_row = jnp.exp(d)
+        a_s[...] = (bk_f32() * e_row).astype(dt)
+        a2_s[...] = (cp.load_tile(q_s).astype(f32) * e_row).astype(dt)
+
+        # L and Aqk: one product per sub-chunk I, keeping rows of I (columns up to I's end)
+        rblk = lax.shift_right_logical(cp.iota((C, C), 0), 4)
         L = P = None
         for I in range(NSUB):
-            d = cp.load_tile(G_s) - cp.bcast_cols(_tiles.col_vec_row(gr_s, I), (C, K))
-            in_i = blk == I
             upto = blk <= I
-            e_row = jnp.exp(jnp.where(in_i, d, 0.0))
-            a_s[...] = jnp.where(in_i, bk_f32() * e_row, 0.0).astype(dt)
-            a2_s[...] = jnp.where(in_i, cp.load_tile(q_s).astype(f32) * e_row, 0.0).astype(dt)
-            c_s[...] = jnp.where(upto, k_f32() * jnp.exp(jnp.where(upto, -d, 0.0)), 0.0).astype(dt)
+            # r_I − G_j = (r_I − r_J) − (G_j − r_J); rows past I masked before exp
+            expo = jnp.where(upto, by_block([r[I] - r[J] for J in range(I)] + [0.0]) - d, 0.0)
+            c_s[...] = jnp.where(upto, k_f32() * jnp.exp(expo), 0.0).astype(dt)
             plgpu.commit_smem()
             li = cp.matmul(a_s, c_s.T, (C, C))
             pi = cp.matmul(a2_s, c_s.T, (C, C))
-            L = li if L is None else L + li
-            P = pi if P is None else P + pi
+            # other rows may hold inf (unbounded factor pairs): select, never multiply by a mask
+            L = jnp.where(rblk == I, li, 0.0 if L is None else L)
+            P = jnp.where(rblk == I, pi, 0.0 if P is None else P)
 
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
