@@ -58,8 +58,10 @@ def step_inputs(variant: str, B: int, H: int, HV: int, K: int, V: int, seed: int
 STEPS_PER_LOOP = 50
 
 
-def bench_jax(variant: str, impl: str, B: int, H: int, HV: int, K: int, V: int) -> dict:
-    """ms per step of ``impl``: in a jitted decode loop (device) and per jitted call (host)."""
+def bench_jax(
+    variant: str, impl: str, B: int, H: int, HV: int, K: int, V: int, timing: str = "both"
+) -> dict:
+    """ms per step of ``impl``: in a jitted decode loop (device) and/or per jitted call (host)."""
     args, state = step_inputs(variant, B, H, HV, K, V)
     n = len(args)
 
@@ -84,7 +86,12 @@ def bench_jax(variant: str, impl: str, B: int, H: int, HV: int, K: int, V: int) 
         o, box[0] = step(*args, box[0])
         return o
 
-    r = {f"{impl}_call_ms": time_jax(lambda: call(), ())}
+    r = {}
+    if timing in ("call", "both"):
+        r[f"{impl}_call_ms"] = time_jax(lambda: call(), ())
+    if timing == "call":
+        r[f"{impl}_ms"] = r[f"{impl}_call_ms"]
+        return r
     box2 = [state + 0]
 
     def call_loop():
@@ -131,6 +138,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--H", type=int, default=base.H)
     p.add_argument("--HV", type=int, default=base.HV)
     p.add_argument("--D", type=int, default=base.K)
+    p.add_argument("--timing", choices=("loop", "call", "both"), default="both")
     p.add_argument("--block-v", type=int, default=None, help="pallas: V columns per CTA")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -140,26 +148,29 @@ def main(argv=None) -> list[dict]:
         _step_pallas.BLOCK_V = a.block_v
     print(json.dumps({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                       "device": jax.devices()[0].device_kind, "jax": jax.__version__}))  # fmt: skip
-    rows = []
     state_bytes = lambda B: 2 * B * a.HV * a.D * a.D * 4
-    for B in a.batch:
-        floor_ms = 1e3 * state_bytes(B) / COPY_BW
-        for variant in a.variants:
-            row = dict(variant=variant, B=B, H=a.H, HV=a.HV, D=a.D, floor_ms=floor_ms)
-            for impl in a.impls:
-                try:
-                    if impl == "fla":
-                        row["fla_ms"] = bench_fla(variant, B, a.H, a.HV, a.D, a.D)
-                    else:
-                        row.update(bench_jax(variant, impl, B, a.H, a.HV, a.D, a.D))
-                except Exception as e:  # FLA absent (CPU, no wheel), no such kernel, no GPU
-                    row[f"{impl}_ms"] = float("nan")
-                    row[f"{impl}_note"] = f"{type(e).__name__}: {e}"[:160]
-                t = row.get(f"{impl}_ms", float("nan"))
-                row[f"{impl}_GBps"] = state_bytes(B) / (t * 1e-3) / 1e9
-                row[f"{impl}_per_floor"] = t / floor_ms
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = {
+        (B, v): dict(variant=v, B=B, H=a.H, HV=a.HV, D=a.D, floor_ms=1e3 * state_bytes(B) / COPY_BW)
+        for B in a.batch
+        for v in a.variants
+    }
+    # implementation-major, one printed line per measurement: a run cut short keeps what it did
+    for impl in a.impls:
+        for (B, variant), row in rows.items():
+            try:
+                if impl == "fla":
+                    row["fla_ms"] = bench_fla(variant, B, a.H, a.HV, a.D, a.D)
+                else:
+                    row.update(bench_jax(variant, impl, B, a.H, a.HV, a.D, a.D, a.timing))
+            except Exception as e:  # FLA absent (CPU, no wheel), no such kernel, no GPU
+                row[f"{impl}_ms"] = float("nan")
+                row[f"{impl}_note"] = f"{type(e).__name__}: {e}"[:160]
+            t = row[f"{impl}_ms"]
+            row[f"{impl}_GBps"] = state_bytes(B) / (t * 1e-3) / 1e9
+            row[f"{impl}_per_floor"] = t / row["floor_ms"]
+            keys = [k for k in row if k.startswith(impl + "_")]
+            print(json.dumps({"variant": variant, "B": B, **{k: row[k] for k in keys}}), flush=True)
+    rows = list(rows.values())
     hdr = f"{'variant':7s} {'B':>4s} {'floor ms':>9s}"
     for impl in a.impls:
         hdr += f" {impl + ' ms':>10s} {'GB/s':>6s} {'/floor':>6s}"

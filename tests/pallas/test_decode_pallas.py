@@ -37,11 +37,16 @@ def _step(variant, args, state, implementation, **kw):
     return STEPS[variant](*args, state, use_qk_l2norm=True, implementation=implementation, **kw)
 
 
-def _check(variant, args, state, *, tight: bool):
+# one compilation per (variant, implementation, shapes) instead of op-by-op dispatch (GPU time)
+_step_jit = jax.jit(_step, static_argnums=(0, 3))
+
+
+def _check(variant, args, state, *, tight: bool, jit: bool = False):
     """Pallas vs the f32 recurrence on the same (rounded) inputs, and the 2x rule on o."""
-    ref32 = _step(variant, upcast(args), state, "xla")
-    ref_lo = _step(variant, args, state, "xla")
-    got = _step(variant, args, state, "pallas")
+    step = _step_jit if jit else _step
+    ref32 = step(variant, upcast(args), state, "xla")
+    ref_lo = step(variant, args, state, "xla")
+    got = step(variant, args, state, "pallas")
     assert got[0].dtype == args[2].dtype and got[1].dtype == jnp.float32
     report = []
     for name, a, lo, r in zip(("o", "state"), got, ref_lo, ref32, strict=True):
@@ -271,21 +276,19 @@ GPU_CASES = [
 @pytest.mark.parametrize("variant,B,T,H,HV", GPU_CASES)
 def test_gpu_matches_recurrence(variant, B, T, H, HV):
     args, state = _inputs(variant, 7, B=B, T=T, H=H, HV=HV, D=128)
-    _check(variant, args, state, tight=False)
+    _check(variant, args, state, tight=False, jit=True)
 
 
-@pytest.mark.gpu
-def test_gpu_packed_prefill_then_decode():
-    """Packed prefill (gated_delta_rule, cu_seqlens, pallas) then N Pallas decode steps equals one
-    long prefill per sequence (2x rule against the f32 recurrence)."""
-    N, D, H, HV, steps = 8, 128, 16, 32, 4
-    P = (700, 1, 64, 65, 1000, 333, 128, 2)
+def _packed_prefill_then_decode(P, steps, H, HV, D, impl):
+    """Packed prefill (gated_delta_rule with cu_seqlens) then ``steps`` decode steps for all
+    sequences at once, vs each whole sequence through the f32 token recurrence (2x rule)."""
+    N = len(P)
     x = random_inputs(11, B=N, T=max(P) + steps, H=H, HV=HV, K=D, V=D)
     names = ("q", "k", "v", "g", "beta")
-    cu = jnp.asarray(np.cumsum((0,) + P), jnp.int32)
+    cu = jnp.asarray(np.cumsum((0,) + tuple(P)), jnp.int32)
 
-    def split(dtype, impl):
-        xs = {n: (x[n].astype(dtype) if n in "qkv" else x[n]) for n in names}
+    @jax.jit
+    def split(xs):
         packed = [jnp.concatenate([xs[n][i, : P[i]] for i in range(N)])[None] for n in names]
         kw = dict(use_qk_l2norm=True, implementation=impl)
         _, state = gdn_jax.gated_delta_rule(*packed, cu_seqlens=cu, output_final_state=True, **kw)
@@ -296,24 +299,33 @@ def test_gpu_packed_prefill_then_decode():
             outs.append(o[:, 0])
         return jnp.stack(outs, 1), state  # [N, steps, HV, V], [N, HV, K, V]
 
-    def long(dtype):
-        os, ss = [], []
-        for i in range(N):
-            full = [(x[n].astype(dtype) if n in "qkv" else x[n])[i : i + 1, : P[i] + steps]
-                    for n in names]  # fmt: skip
-            o, s = gdn_jax.reference.recurrent_gated_delta_rule(
-                *full, output_final_state=True, use_qk_l2norm=True
-            )
-            os.append(o[0, P[i] :])
-            ss.append(s[0])
-        return jnp.stack(os), jnp.stack(ss)
+    L = [p + steps for p in P]
+    off = np.cumsum([0] + L)
+    cu_l = jnp.asarray(off, jnp.int32)
 
-    got = split(jnp.bfloat16, "pallas")
-    ref32, ref_lo = long(jnp.float32), long(jnp.bfloat16)
+    @jax.jit
+    def long(xs):  # every whole sequence in one packed recurrence
+        full = [jnp.concatenate([xs[n][i, : L[i]] for i in range(N)])[None] for n in names]
+        o, s = gdn_jax.reference.recurrent_gated_delta_rule(
+            *full, cu_seqlens=cu_l, output_final_state=True, use_qk_l2norm=True
+        )
+        return jnp.stack([o[0, off[i] + P[i] : off[i + 1]] for i in range(N)]), s
+
+    def cast(dtype):
+        return {n: (x[n].astype(dtype) if n in "qkv" else x[n]) for n in names}
+
+    got = split(cast(jnp.bfloat16))
+    ref32, ref_lo = long(cast(jnp.float32)), long(cast(jnp.bfloat16))
     for name, a, lo, r in zip(("o", "state"), got, ref_lo, ref32, strict=True):
         err, budget = rel_rms(a, r), rel_rms(lo, r)
         print(f"{name}: {err:.2e} (bf16 reference {budget:.2e})")
         assert err <= 2 * budget + 1e-5, (name, err, budget)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_prefill_then_decode():
+    """Packed prefill on the Pallas GDN kernels, then 4 Pallas decode steps == one long prefill."""
+    _packed_prefill_then_decode((700, 1, 64, 65, 1000, 333, 128, 2), 4, 16, 32, 128, "pallas")
 
 
 @pytest.mark.gpu
@@ -324,4 +336,4 @@ def test_gpu_extreme_gates(variant):
         a = list(args)
         a[3] = jnp.full_like(a[3], g_val)
         a[4:] = [jnp.full_like(x, b_val) for x in a[4:]]
-        _check(variant, tuple(a), state, tight=False)
+        _check(variant, tuple(a), state, tight=False, jit=True)
