@@ -127,9 +127,8 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
 
         # Row factors e^{G_i − r_J(i)} around the reference row of the row's own sub-chunk J
         # (|exponent| ≤ 8 steps), computed once; sub-chunk I's column factors e^{r_I − G_j}
-        # (j ≤ end(I)) are one exponent each: never split into a tiny and a huge factor.
-        r = [_tiles.col_vec_row(gr_s, J) for J in range(NSUB)]
-        d = cp.load_tile(G_s) - by_block(r)  # G_i − r_J(i)
+        # (j ≤ end(I)): one exponent each, never split into a tiny and a huge factor.
+        d = cp.load_tile(G_s) - by_block([_tiles.col_vec_row(gr_s, J) for J in range(NSUB)])
         e_row = jnp.exp(d)
         a_s[...] = (bk_f32() * e_row).astype(dt)
         a2_s[...] = (cp.load_tile(q_s).astype(f32) * e_row).astype(dt)
@@ -139,8 +138,8 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         L = P = None
         for I in range(NSUB):
             upto = blk <= I
-            # r_I − G_j = (r_I − r_J) − (G_j − r_J); rows past I masked before exp
-            expo = jnp.where(upto, by_block([r[I] - r[J] for J in range(I)] + [0.0]) - d, 0.0)
+            r_i = cp.bcast_cols(_tiles.col_vec_row(gr_s, I), (C, K))
+            expo = jnp.where(upto, r_i - cp.load_tile(G_s), 0.0)  # masked before exp
             c_s[...] = jnp.where(upto, k_f32() * jnp.exp(expo), 0.0).astype(dt)
             plgpu.commit_smem()
             li = cp.matmul(a_s, c_s.T, (C, C))
