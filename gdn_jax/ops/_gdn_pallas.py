@@ -155,10 +155,12 @@ _core.defvjp(_core_fwd, _core_bwd)
 def _unsupported(q, v, chunk_size, qat=None) -> str | None:
     if qat is not None and qat.fmt != "e4m3":
         return f"{qat.fmt=}: the Pallas kernels fuse only the e4m3 fake quant"
-    if q.dtype != jnp.bfloat16:
-        # f16 would stage the f32 state as an f16 tensor-core operand (max 65504): DESIGN §3
-        # forbids it, so f16 (like f32) runs on "xla" until the kernels take bf16 state operands.
-        return f"{q.dtype=}: the Pallas kernels take bf16 (f16 and f32 run on 'xla')"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{q.dtype=}: the Pallas kernels take bf16 and f16 (f32 runs on 'xla')"
+    if q.dtype == jnp.float16 and qat is not None and qat.state_granularity == "matrix":
+        # one CTA per whole state (block_v = V = 128) has no SMEM left for f16's f32 h tiles
+        if "state" in qat.sites and v.shape[-1] > 64:
+            return "f16 with the QAT state granularity 'matrix' and V = 128 (use 'column')"
     if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
         return f"{q.shape=} {v.shape=}: the Pallas kernels need K and V in {{64, 128}}"
     if chunk_size != CHUNK:

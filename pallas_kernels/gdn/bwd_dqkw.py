@@ -23,6 +23,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 CHUNK = 64
 f32 = jnp.float32
@@ -49,20 +50,25 @@ def _dqkw_body(
     K, V = q_g.shape[-1], vn_g.shape[-1]
     dt = q_g.dtype
     rows = pl.ds(c * C, C)
+    # f16 io: h and dh arrive in f32 and are staged as f16 with one scale per row (DESIGN §3)
+    scaled = dt == jnp.float16
+    nkb = K // C
 
-    def scoped(q_s, k_s, h_s, dh_s, vn_s, do_s, dvh_s, dvl_s, ds_s, g_s, out_s, vec_s, bar, *dv2):
+    def scoped(q_s, k_s, h_s, dh_s, vn_s, do_s, dvh_s, dvl_s, ds_s, g_s, out_s, vec_s, bar, *opt):
+        opt = list(opt)
+        sc_s = opt.pop(0) if scaled else None  # [2, K] row scales of the staged h, dh
         # f32 dv2 lands in the output staging tile when the shapes agree (SMEM at K = V = 128)
-        dv2_s = dv2[0] if dv2 else out_s
-        srcs = (
+        dv2_s = opt.pop(0) if opt else out_s
+        srcs = [
             (q_g.at[b, rows, hk, :], q_s),
             (k_g.at[b, rows, hk, :], k_s),
-            (h_g.at[b, c, hv], h_s),
-            (dh_g.at[b, c, hv], dh_s),
             (vn_g.at[b, rows, hv, :], vn_s),
             (do_g.at[b, rows, hv, :], do_s),
             (dv2_g.at[b, rows, hv, :], dv2_s),
             (g_g.at[b, hv, rows], g_s),
-        )
+        ]
+        if not scaled:
+            srcs += [(h_g.at[b, c, hv], h_s), (dh_g.at[b, c, hv], dh_s)]
         for i, (src, dst) in enumerate(srcs):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
         for i in range(len(srcs)):
@@ -81,6 +87,23 @@ def _dqkw_body(
         ds_s[...] = ds.astype(dt)
         _split_hi_lo(dv2_s, dvh_s, dvl_s, dt)
         plgpu.commit_smem()
+        if scaled:  # 64-row blocks of the f32 h, dh pass through the (now free) dv2 tile
+            for t, (src_g, dst_s) in enumerate(((h_g, h_s), (dh_g, dh_s))):
+                for j in range(nkb):
+                    blk = pl.ds(j * C, C)
+                    n = 8 + t * nkb + j
+                    plgpu.copy_gmem_to_smem(src_g.at[b, c, hv, blk, :], dv2_s, bar.at[n])
+                    plgpu.barrier_wait(bar.at[n])
+                    x = cp.load_tile(dv2_s)
+                    inv, sc = f16_stage_scales(x, axis=1)
+                    dst_s.at[blk][...] = (x * cp.bcast_rows(inv, (C, V))).astype(dt)
+                    sc_s.at[t, blk][...] = sc
+                    plgpu.commit_smem()  # also: every thread has read dv2_s before the next TMA
+
+        def unstage(x, t, n=K):  # results whose columns are rows of h (t=0) or dh (t=1)
+            if not scaled:
+                return x
+            return x * cp.bcast_cols(cp.col_vec(sc_s.at[t, pl.ds(0, n)], n), x.shape)
 
         def emit(x, dst):
             out_s[...] = x
@@ -89,12 +112,14 @@ def _dqkw_body(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         # dq
-        dq = cp.matmul(do_s, h_s.T, (C, K)) * cp.bcast_rows(scale * jnp.exp(g_r), (C, K))
+        dq = unstage(cp.matmul(do_s, h_s.T, (C, K)), 0)
+        dq = dq * cp.bcast_rows(scale * jnp.exp(g_r), (C, K))
         dq = dq + cp.matmul(ds_s, k_s, (C, K))
         r1 = jnp.sum(dq * cp.load_tile(q_s).astype(f32), axis=1)
         emit(dq, dq_g.at[b, rows, hv, :])
         # dk = dk_state + dsᵀ q
-        dks = cp.matmul(vn_s, dh_s.T, (C, K)) * cp.bcast_rows(jnp.exp(g_last - g_r), (C, K))
+        dks = unstage(cp.matmul(vn_s, dh_s.T, (C, K)), 1)
+        dks = dks * cp.bcast_rows(jnp.exp(g_last - g_r), (C, K))
         kf = cp.load_tile(k_s).astype(f32)
         r3 = jnp.sum(dks * kf, axis=1)
         dk = dks + cp.matmul(ds_s.T, q_s, (C, K))
@@ -108,7 +133,7 @@ def _dqkw_body(
             plgpu.wgmma_wait(0)
             return acc[...]
 
-        dw = -pl.run_scoped(dw_mm, plgpu.ACC((C, K), f32))
+        dw = -unstage(pl.run_scoped(dw_mm, plgpu.ACC((C, K), f32)), 0)
         # reuse q_s (q no longer needed) as the 16-bit staging tile of dw
         q_s[...] = dw.astype(dt)
         plgpu.commit_smem()
@@ -120,6 +145,10 @@ def _dqkw_body(
         for j in range(K // C):
             blk = pl.ds(j * C, C)
             m = cp.matmul(h_s.at[blk], dh_s.at[blk].T, (C, C))
+            if scaled:  # on the diagonal, row k = column k: both scales as column scales
+                sh = cp.col_vec(sc_s.at[0, blk], C)
+                sdh = cp.col_vec(sc_s.at[1, blk], C)
+                m = m * cp.bcast_cols(sh * sdh, (C, C))
             vec_s.at[2 + j][...] = jnp.sum(jnp.where(row == col, m, 0.0), axis=1)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(vec_s.at[0], dg_g.at[b, hv, rows])
@@ -142,7 +171,8 @@ def _dqkw_body(
         cp.smem((C,), f32),  # G
         cp.smem((C, K), f32),  # the f32 output staging (first dv2 if K == V)
         cp.smem((2 + K // C, C), f32, swizzled=False),  # vector outputs
-        plgpu.Barrier(num_barriers=8),
+        plgpu.Barrier(num_barriers=8 + (2 * (K // C) if dt == jnp.float16 else 0)),
+        *([cp.smem((2, K), f32, swizzled=False)] if dt == jnp.float16 else []),  # row scales
         *([] if K == V else [cp.smem((C, V), f32)]),  # dv2 (f32) when K != V
     )
 
@@ -152,7 +182,8 @@ def bwd_dqkw(q, k, h, dh, v_new, do, dv2, g_cum, *, scale: float):
 
     Args:
       q, k: [B, T, H, K] io dtype; T % 64 == 0.
-      h, dh: [B, T/64, HV, K, V] io dtype (state entering / state gradient leaving each chunk).
+      h, dh: [B, T/64, HV, K, V] io dtype, f32 for f16 io (state entering / state gradient
+        leaving each chunk).
       v_new, do: [B, T, HV, V] io dtype; dv2: [B, T, HV, V] f32.
       g_cum: [B, HV, T] f32.
       scale: output scale.

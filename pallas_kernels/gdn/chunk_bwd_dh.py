@@ -22,6 +22,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 CHUNK = 64
 f32 = jnp.float32
@@ -55,6 +56,10 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
     K = k_g.shape[-1]
     dt = k_g.dtype
     cols = pl.ds(iv * BV, BV)
+    # f16 io: dH is staged as f16 with one scale per column and written in f32 (DESIGN §3); the
+    # extra f32 tile fits in SMEM only with single-buffered stores
+    scaled = dt == jnp.float16
+    nbuf = 1 if scaled else 2
 
     def load_dht(st_s, bar):
         plgpu.copy_gmem_to_smem(dht_g.at[b, hv, :, cols], st_s, bar)
@@ -63,16 +68,26 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
 
     dH0 = pl.run_scoped(load_dht, cp.smem((K, BV), f32), plgpu.Barrier())
 
-    def scoped(dh_s, p_s, qg_s, ndv_s, dv_s):
+    def scoped(dh_s, p_s, qg_s, ndv_s, dv_s, *dhf):
         def step(idx, q_s, k_s, w_s, do_s, g_s, g2_s, dH):
             (i,) = idx
             c = nt - 1 - i
-            slot = lax.rem(i, 2)
-            plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # stores of step i-2 left SMEM
-            dh_ref = dh_s.at[slot]
-            dh_ref[...] = dH.astype(dt)
+            slot = lax.rem(i, nbuf)
+            # the stores of step i - nbuf (same slots) must have left SMEM
+            plgpu.wait_smem_to_gmem(2 * (nbuf - 1), wait_read_only=True)
+            if scaled:
+                dh_ref = dh_s
+                inv, sc = f16_stage_scales(dH, axis=0)
+                dh_ref[...] = (dH * cp.bcast_cols(inv, (K, BV))).astype(dt)
+                dhf[0][...] = dH
+                unstage = lambda x: x * cp.bcast_cols(sc, x.shape)
+                dh_src = dhf[0]
+            else:
+                dh_ref = dh_src = dh_s.at[slot]
+                dh_ref[...] = dH.astype(dt)
+                unstage = lambda x: x
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dh_ref, dh_g.at[b, c, hv, :, cols])
+            plgpu.copy_smem_to_gmem(dh_src, dh_g.at[b, c, hv, :, cols])
 
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
@@ -89,9 +104,10 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
             qg = q_s[...].astype(f32) * cp.bcast_rows(cfg.scale * jnp.exp(g_r), (C, K))
             qg_s[...] = qg.astype(dt)
             plgpu.commit_smem()
-            dv2 = cp.matmul(k_s, dh_ref, (C, BV)) * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
+            dv2 = unstage(cp.matmul(k_s, dh_ref, (C, BV)))
+            dv2 = dv2 * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
             dv2 = dv2 + cp.matmul(p_s, do_s, (C, BV))
-            dv_ref = dv_s.at[slot]
+            dv_ref = dv_s.at[slot] if nbuf == 2 else dv_s
             dv_ref[...] = dv2
             ndv_s[...] = (-dv2).astype(dt)
             plgpu.commit_smem()
@@ -121,13 +137,16 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
         plgpu.wait_smem_to_gmem(0)
         return dH
 
+    dh_shape = (K, BV) if scaled else (2, K, BV)
+    dv_shape = (C, BV) if scaled else (2, C, BV)
     dH = pl.run_scoped(
         scoped,
-        cp.smem((2, K, BV), dt),
+        cp.smem(dh_shape, dt),
         cp.smem((C, C), dt),
         cp.smem((C, K), dt),
         cp.smem((C, BV), dt),
-        cp.smem((2, C, BV), f32),
+        cp.smem(dv_shape, f32),
+        *([cp.smem((K, BV), f32)] if scaled else []),  # dH in f32 (the dh output), f16 io
     )
 
     def final(st_s):
@@ -156,7 +175,7 @@ def chunk_bwd_dh(
       dht: [B, HV, K, V] f32 cotangent of the final state.
       config: :class:`ChunkBwdDhConfig`.
     Returns:
-      dh [B, T/64, HV, K, V] (io dtype; gradient of the state at each chunk's end),
+      dh [B, T/64, HV, K, V] (io dtype, f32 for f16 io; gradient of the state at each chunk's end),
       dv2 [B, T, HV, V] f32 (gradient of v_new; f32: dβ is sensitive to its rounding),
       dh0 [B, HV, K, V] f32.
     """
@@ -166,7 +185,7 @@ def chunk_bwd_dh(
         raise ValueError(f"{k.shape=} {do.shape=}: T % 64 and V % block_v must be 0")
     nt = T // CHUNK
     out_type = (
-        jax.ShapeDtypeStruct((B, nt, HV, K, V), k.dtype),
+        jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if k.dtype == jnp.float16 else k.dtype),
         jax.ShapeDtypeStruct((B, T, HV, V), f32),
         jax.ShapeDtypeStruct((B, HV, K, V), f32),
     )

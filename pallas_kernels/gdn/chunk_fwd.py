@@ -24,7 +24,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels.gdn.fake_quant import fake_quant_e4m3
+from pallas_kernels.gdn.fake_quant import f16_stage_scales, fake_quant_e4m3
 
 CHUNK = 64
 f32 = jnp.float32
@@ -75,6 +75,9 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
     cols = pl.ds(iv * BV, BV)
     store_h = cfg.store_h
     n_groups = 2 if store_h else 1  # TMA store groups issued per step
+    # f16 io: the state is staged as f16 with one scale per column (its range is kept), and the
+    # backward's h is written in f32 (DESIGN §3: never stage the state through plain f16)
+    scaled = dt == jnp.float16
 
     def load_h0(h0_s, bar):
         plgpu.copy_gmem_to_smem(h0_g.at[b, hv, :, cols], h0_s, bar)
@@ -84,9 +87,10 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
     S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
 
     def scoped(s_s, vn_s, *bufs):
-        # store_h: vd_s; forward: p_s, o_s, and v_dec reuses the v_new tile once o is done with it
-        # (SMEM: block_v = 128 must fit in 227 KiB)
-        vd_s, p_s, o_s = (bufs[0], None, None) if store_h else (vn_s, *bufs)
+        # store_h: vd_s (+ the f32 h tiles with f16 io); forward: p_s, o_s, and v_dec reuses the
+        # v_new tile once o is done with it (SMEM: block_v = 128 must fit in 227 KiB)
+        vd_s, p_s, o_s = (bufs[0], None, None) if store_h else (vn_s, *bufs[:2])
+        hf_s = bufs[1] if store_h and scaled else None
 
         def step(idx, *args):
             if store_h:
@@ -101,13 +105,22 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
                 S = fake_quant_e4m3(S, STATE_QUANT[cfg.state_quant])
             # the stores issued two steps ago (same slot) must have finished reading SMEM
             plgpu.wait_smem_to_gmem(n_groups, wait_read_only=True)
-            s_ref = s_s.at[slot] if store_h else s_s
+            s_ref = s_s.at[slot] if store_h and not scaled else s_s
             vn_ref = vn_s.at[slot] if store_h else vn_s
-            s_ref[...] = S.astype(dt)
+            if scaled:
+                inv, sc = f16_stage_scales(S, axis=0)
+                s_ref[...] = (S * cp.bcast_cols(inv, (K, BV))).astype(dt)
+                unstage = lambda x: x * cp.bcast_cols(sc, x.shape)
+            else:
+                s_ref[...] = S.astype(dt)
+                unstage = lambda x: x
+            if store_h and scaled:
+                hf_s.at[slot][...] = S
             plgpu.commit_smem()
             if store_h:
-                plgpu.copy_smem_to_gmem(s_ref, h_g.at[b, c, hv, :, cols])
-            v_new = u_s[...].astype(f32) - cp.matmul(w_s, s_ref, (C, BV))
+                h_src = hf_s.at[slot] if scaled else s_ref
+                plgpu.copy_smem_to_gmem(h_src, h_g.at[b, c, hv, :, cols])
+            v_new = u_s[...].astype(f32) - unstage(cp.matmul(w_s, s_ref, (C, BV)))
             g_r = cp.row_vec(g_s)
             g_last = g_s[C - 1]
             vn_ref[...] = v_new.astype(dt)
@@ -120,7 +133,8 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
                 qk = cp.matmul(q_s, k_s.T, (C, C))
                 p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)
                 p_s[...] = p.astype(dt)
-                o_inter = cp.matmul(q_s, s_ref, (C, BV)) * cp.bcast_rows(jnp.exp(g_r), (C, BV))
+                o_inter = unstage(cp.matmul(q_s, s_ref, (C, BV)))
+                o_inter = o_inter * cp.bcast_rows(jnp.exp(g_r), (C, BV))
             plgpu.commit_smem()
             if store_h:
                 plgpu.copy_smem_to_gmem(vn_ref, vn_g.at[b, pl.ds(c * C, C), hv, cols])
@@ -152,10 +166,10 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
         return S
 
     nbuf = 2 if store_h else 1
-    s_shape = (nbuf, K, BV) if store_h else (K, BV)
+    s_shape = (nbuf, K, BV) if store_h and not scaled else (K, BV)
     vn_shape = (nbuf, C, BV) if store_h else (C, BV)
     if store_h:
-        bufs = (cp.smem((C, BV), dt),)
+        bufs = (cp.smem((C, BV), dt),) + ((cp.smem((2, K, BV), f32),) if scaled else ())
     else:
         bufs = (cp.smem((C, C), dt), cp.smem((2, C, BV), dt))
     S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), *bufs)
@@ -189,13 +203,15 @@ def chunk_fwd(
       config: :class:`ChunkFwdConfig`.
     Returns:
       Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32).
-      ``store_h``: (h [B, T/64, HV, K, V] in k.dtype, the state entering each chunk (after
-      ``config.state_quant``); v_new [B, T, HV, V]).
+      ``store_h``: (h [B, T/64, HV, K, V] in k.dtype (f32 for f16 io), the state entering each
+      chunk (after ``config.state_quant``); v_new [B, T, HV, V]).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     if T % CHUNK or V % config.block_v:
         raise ValueError(f"{k.shape=} {u.shape=}: T % 64 and V % block_v must be 0")
+    if config.store_h and k.dtype == jnp.float16 and config.block_v == 128:
+        raise NotImplementedError("f16 with block_v=128: the f32 h tiles do not fit in SMEM")
     if config.state_quant == "matrix" and config.block_v != V:
         raise NotImplementedError(
             f"{u.shape=}, block_v={config.block_v}: QAT state granularity 'matrix' needs the "
@@ -203,8 +219,9 @@ def chunk_fwd(
         )
     nt = T // CHUNK
     if config.store_h:
+        h_dtype = f32 if k.dtype == jnp.float16 else k.dtype
         out_type = (
-            jax.ShapeDtypeStruct((B, nt, HV, K, V), k.dtype),
+            jax.ShapeDtypeStruct((B, nt, HV, K, V), h_dtype),
             jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
         )
         ins = (k, w, u, g_cum, h0)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 
-__all__ = ["E4M3_MAX", "GROUPS", "fake_quant_e4m3"]
+__all__ = ["E4M3_MAX", "GROUPS", "fake_quant_e4m3", "F16_STAGE_AMAX", "f16_stage_scales"]
 
 E4M3_MAX = 448.0
 GROUPS = ("rows", "cols", "all")
@@ -55,3 +55,32 @@ def fake_quant_e4m3(x: jax.Array, groups: str) -> jax.Array:
     scale = jnp.where(nonzero, amax * f32(1.0 / E4M3_MAX), 1.0)
     q = (x * expand(inv, shape)).astype(jnp.float8_e4m3fn).astype(f32)
     return q * expand(scale, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# f16 staging of f32 state tiles (not a quantiser: keeps the state's range, see DESIGN §3)
+
+F16_STAGE_AMAX = 2.0**14  # a staged group's amax: f16 (max 65504) with room for rounding
+
+
+def f16_stage_scales(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Per-group scales to stage an f32 tile as an f16 wgmma operand without losing its range.
+
+    f16 overflows at 65504 and flushes below ~6e-8, so an f32 state cannot be cast to f16
+    directly (DESIGN §3). Each group (row or column) is multiplied by ``inv`` so that its amax
+    becomes 2^14 before the cast, and the product's result is multiplied back by ``scale``
+    (``inv * scale = 1`` to f32 rounding): f16's 11-bit precision relative to each group's amax,
+    whatever its magnitude.
+
+    Args:
+      x: [R, N] f32 register tile (WGMMA layout).
+      axis: 0 (one scale per column) or 1 (one per row).
+    Returns:
+      (inv, scale), each [N] (axis 0) or [R] (axis 1) f32, laid out for ``bcast_cols`` /
+      ``bcast_rows``.
+    """
+    amax = jnp.max(jnp.abs(x), axis=axis)
+    nonzero = amax > 0
+    inv = jnp.where(nonzero, F16_STAGE_AMAX / jnp.where(nonzero, amax, 1.0), 1.0)
+    scale = jnp.where(nonzero, amax * f32(1.0 / F16_STAGE_AMAX), 1.0)
+    return inv, scale

@@ -281,6 +281,12 @@ def test_gpu_pallas_matches_xla_with_qat(name):
 
 
 @pytest.mark.gpu
+def test_gpu_pallas_matches_xla_with_qat_f16():
+    x, cts = _case(10, 2, 1000, 4, 8, 128, 128)
+    _check_2x(x, cts, CONFIGS["column_row"], _chunk_ref, dtype=jnp.float16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["column", "matrix"])
 def test_gpu_state_qat_matches_quantised_recurrence(granularity):
     """State site alone: the 2x rule against the token recurrence quantised every 64 tokens."""
