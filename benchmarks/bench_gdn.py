@@ -3,7 +3,8 @@
 Usage (on the GPU machine, from the checkout)::
 
     PYTHONPATH=. python3 benchmarks/bench_gdn.py [--shapes NAME ...] [--impls pallas xla fla]
-        [--json out.json] [--stages] [--variant gdn|kda|gdn2] [--fwd-only] [--qat]
+        [--json out.json] [--stages] [--variant gdn|kda|gdn2] [--fwd-only]
+        [--qat [off column_row matrix_tile]]
 
 Timing: jitted JAX functions are dispatched ``iters`` times back to back after a warm-up and the
 device is synchronised once; the per-call time of each such batch is recorded and the median of
@@ -136,9 +137,12 @@ def bench_jax(s, impl, x, variant="gdn", fwd_only=False, qat=None) -> dict:
     return r
 
 
-def bench_qat(shapes, impls) -> list[dict]:
-    """QAT cost: fwd and fwd+bwd of each impl with QAT off and on (both sites, each granularity
-    pair), all in one run."""
+QAT_CONFIGS = ("off", "column_row", "matrix_tile")
+
+
+def bench_qat(shapes, impls, names=QAT_CONFIGS) -> list[dict]:
+    """QAT cost: fwd and fwd+bwd of each impl with QAT off and on (both sites; ``names`` picks
+    granularity pairs state_w), all in one run."""
     from gdn_jax.qat import QATConfig
 
     configs = {
@@ -146,6 +150,7 @@ def bench_qat(shapes, impls) -> list[dict]:
         "column_row": QATConfig(state_granularity="column", w_granularity="row"),
         "matrix_tile": QATConfig(state_granularity="matrix", w_granularity="tile"),
     }
+    configs = {n: configs[n] for n in names}
     rows = []
     for name in shapes:
         s, x = SHAPES[name], inputs(SHAPES[name])
@@ -295,7 +300,10 @@ def main(argv=None):
     p.add_argument("--stages", action="store_true", help="per-kernel times of the pallas path")
     p.add_argument("--variant", choices=("gdn", "kda", "gdn2"), default="gdn")
     p.add_argument("--fwd-only", action="store_true", help="time the forward only")
-    p.add_argument("--qat", action="store_true", help="QAT cost (off vs on) for pallas and xla")
+    p.add_argument(
+        "--qat", nargs="*", choices=QAT_CONFIGS, default=None,
+        help="QAT cost (off vs on) for pallas and xla; optionally which configs",
+    )  # fmt: skip
     a = p.parse_args(argv)
 
     dev = jax.devices()[0]
@@ -313,8 +321,8 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001  FLA is optional
         meta["fla"] = f"unavailable ({type(e).__name__}: {e})"
     print(json.dumps(meta), flush=True)
-    if a.qat:
-        rows = bench_qat(a.shapes, [i for i in a.impls if i != "fla"])
+    if a.qat is not None:
+        rows = bench_qat(a.shapes, [i for i in a.impls if i != "fla"], a.qat or QAT_CONFIGS)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"meta": meta, "qat_rows": rows}, f, indent=1)
