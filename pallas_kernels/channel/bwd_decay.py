@@ -107,6 +107,17 @@ class Decay:
     # ----------------------------------------------------------------------------------------
     # products
 
+    def _stage(self, s, val, part: int):
+        """Writes the ``part`` (0: hi, 1: lo) of the two-term 16-bit split of f32 ``val`` to ``s``.
+
+        The decayed products are staged as hi + lo (≈ f32): the row and column halves of a
+        pairwise product's gate gradient must cancel over the chunk (the product depends only on
+        G differences), which a single 16-bit rounding of differently scaled operands breaks.
+        """
+        hi = val.astype(self.dt)
+        s[...] = hi if part == 0 else (val - hi.astype(f32)).astype(self.dt)
+        plgpu.commit_smem()
+
     def rows(self, d_s, Y, ys_s, dt_s=None) -> jax.Array:
         """Z_i = Σ_j D_ij Y_j e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
 
@@ -117,21 +128,21 @@ class Decay:
         C, K = self.shape
         Z = None
         if dt_s is not None:
-            ys_s[...] = (Y * jnp.exp(self.own_ref() - self.G())).astype(self.dt)
-            plgpu.commit_smem()
-            for j in range(NSUB):
-                sl = pl.ds(SUB * j, SUB)
-                keep = self.row >= SUB * j
-                t = cp.matmul(dt_s.at[sl].T, ys_s.at[sl], (C, K))
-                e = jnp.exp(jnp.where(keep, self.G() - self.bref(j), 0.0))
-                t = jnp.where(keep, t * e, 0.0)
-                Z = t if Z is None else Z + t
+            for part in (0, 1):
+                self._stage(ys_s, Y * jnp.exp(self.own_ref() - self.G()), part)
+                for j in range(NSUB):
+                    sl = pl.ds(SUB * j, SUB)
+                    keep = self.row >= SUB * j
+                    t = cp.matmul(dt_s.at[sl].T, ys_s.at[sl], (C, K))
+                    e = jnp.exp(jnp.where(keep, self.G() - self.bref(j), 0.0))
+                    t = jnp.where(keep, t * e, 0.0)
+                    Z = t if Z is None else Z + t
             return Z
         for i in range(NSUB):
-            ys_s[...] = (Y * self.e_to(i)).astype(self.dt)
-            plgpu.commit_smem()
-            t = jnp.where(self.in_blk(i), cp.matmul(d_s, ys_s, (C, K)), 0.0)
-            Z = t if Z is None else Z + t
+            for part in (0, 1):
+                self._stage(ys_s, Y * self.e_to(i), part)
+                t = jnp.where(self.in_blk(i), cp.matmul(d_s, ys_s, (C, K)), 0.0)
+                Z = t if Z is None else Z + t
         return Z * self.e_own()
 
     def cols(self, d_s, X, xs_s, *, sliced: bool = False) -> jax.Array:
@@ -141,19 +152,21 @@ class Decay:
         wgmma with a 16-deep contraction ``D[I, :]ᵀ (X_I e^{G_I − r_I})``.
         """
         C, K = self.shape
-        XE = X * self.e_own()
         Z = None
         if sliced:
-            xs_s[...] = XE.astype(self.dt)
-            plgpu.commit_smem()
+            for part in (0, 1):
+                self._stage(xs_s, X * self.e_own(), part)
+                for i in range(NSUB):
+                    sl = pl.ds(SUB * i, SUB)
+                    t = self.e_to(i) * cp.matmul(d_s.at[sl].T, xs_s.at[sl], (C, K))
+                    Z = t if Z is None else Z + t
+            return Z
         for i in range(NSUB):
-            if sliced:
-                sl = pl.ds(SUB * i, SUB)
-                t = cp.matmul(d_s.at[sl].T, xs_s.at[sl], (C, K))
-            else:
-                xs_s[...] = jnp.where(self.in_blk(i), XE, 0.0).astype(self.dt)
-                plgpu.commit_smem()
-                t = cp.matmul(d_s.T, xs_s, (C, K))
+            t = None
+            for part in (0, 1):
+                self._stage(xs_s, jnp.where(self.in_blk(i), X * self.e_own(), 0.0), part)
+                m = cp.matmul(d_s.T, xs_s, (C, K))
+                t = m if t is None else t + m
             t = self.e_to(i) * t
             Z = t if Z is None else Z + t
         return Z

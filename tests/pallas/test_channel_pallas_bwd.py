@@ -143,6 +143,47 @@ def test_interpret_op_grads(variant, B, T, H, HV, cu):
     _interpret(lambda: check_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16, jit=False))
 
 
+def check_one_lane(variant, T, H, HV, cu, K, seed=0, jit=True):
+    """Packed sequences without initial/final states (one lane, state wiped at every sequence
+    start): every gradient against the f32 recurrent oracle, 2x rule."""
+    from gdn_cases import RECURRENT, positional
+
+    from gdn_jax.testing import random_inputs
+
+    x = random_inputs(seed, B=1, T=T, H=H, HV=HV, K=K, V=K, variant=variant)
+    cu = jnp.asarray(cu, jnp.int32)
+    do = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x["v"].shape), f32)
+
+    def run(fn, dt):
+        def loss(args):
+            o, s = fn(*args, cu_seqlens=cu, use_qk_l2norm=True)
+            assert s is None
+            return jnp.sum(o.astype(f32) * do), o
+
+        args = positional(x, variant)
+        args = tuple(a.astype(dt) for a in args[:3]) + tuple(args[3:])
+        g = jax.value_and_grad(loss, has_aux=True)
+        (_, o), grads = (jax.jit(g) if jit else g)(args)
+        return (o, *grads)
+
+    ref32 = run(RECURRENT[variant], f32)
+    ref_lo = run(RECURRENT[variant], jnp.bfloat16)
+    got = run(pallas_op(variant), jnp.bfloat16)
+    names = [n for n in NAMES[variant] if n not in ("final_state", "dh0")]
+    report, bad = [], []
+    for name, a, b, r in zip(names, got, ref_lo, ref32, strict=True):
+        err, budget = rel_rms(a, r), rel_rms(b, r)
+        report.append(f"{name}: {err:.2e} (ref {budget:.2e})")
+        if not err <= 2 * budget + 1e-5:
+            bad.append(name)
+    print(variant, "one lane", "; ".join(report))
+    assert not bad, (bad, "; ".join(report))
+
+
+def test_interpret_packed_one_lane():
+    _interpret(lambda: check_one_lane("kda", 150, 1, 2, [0, 30, 30, 100, 150], 64, jit=False))
+
+
 # ------------------------------------------------------------------------------------------------
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
 
@@ -210,6 +251,13 @@ GPU_CASES = [
 def test_gpu_op_matches_reference(variant, B, T, H, HV, cu):
     x, cu, cts = channel_case(7, variant, B, T, H, HV, 128, 128, cu)
     check_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_packed_one_lane(variant):
+    cu = [0, 1000, 1000, 2500, 2501, 8192]  # with an empty and a one-token sequence
+    check_one_lane(variant, 8192, 16, 32, cu, 128, seed=3)
 
 
 @pytest.mark.gpu
