@@ -128,8 +128,9 @@ class Decay:
         C, K = self.shape
         Z = None
         if dt_s is not None:
+            val = Y * jnp.exp(self.own_ref() - self.G())
             for part in (0, 1):
-                self._stage(ys_s, Y * jnp.exp(self.own_ref() - self.G()), part)
+                self._stage(ys_s, val, part)
                 for j in range(NSUB):
                     sl = pl.ds(SUB * j, SUB)
                     keep = self.row >= SUB * j
@@ -139,8 +140,9 @@ class Decay:
                     Z = t if Z is None else Z + t
             return Z
         for i in range(NSUB):
+            val = Y * self.e_to(i)
             for part in (0, 1):
-                self._stage(ys_s, Y * self.e_to(i), part)
+                self._stage(ys_s, val, part)
                 t = jnp.where(self.in_blk(i), cp.matmul(d_s, ys_s, (C, K)), 0.0)
                 Z = t if Z is None else Z + t
         return Z * self.e_own()
@@ -154,8 +156,9 @@ class Decay:
         C, K = self.shape
         Z = None
         if sliced:
+            val = X * self.e_own()
             for part in (0, 1):
-                self._stage(xs_s, X * self.e_own(), part)
+                self._stage(xs_s, val, part)
                 for i in range(NSUB):
                     sl = pl.ds(SUB * i, SUB)
                     t = self.e_to(i) * cp.matmul(d_s.at[sl].T, xs_s.at[sl], (C, K))
@@ -163,8 +166,9 @@ class Decay:
             return Z
         for i in range(NSUB):
             t = None
+            val = jnp.where(self.in_blk(i), X * self.e_own(), 0.0)
             for part in (0, 1):
-                self._stage(xs_s, jnp.where(self.in_blk(i), X * self.e_own(), 0.0), part)
+                self._stage(xs_s, val, part)
                 m = cp.matmul(d_s.T, xs_s, (C, K))
                 t = m if t is None else t + m
             t = self.e_to(i) * t
