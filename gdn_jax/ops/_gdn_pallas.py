@@ -88,26 +88,27 @@ def _kernels(cfg: PallasConfig):
 
 # ---------------------------------------------------------------------------------------------
 # custom_vjp core on padded lanes: q, k [B, T, H, K]; v [B, T, HV, V]; G, beta [B, HV, T] f32;
-# h0 [B, HV, K, V] f32.  T % 64 == 0.
+# h0 [B, HV, K, V] f32.  T % 64 == 0.  With ``meta`` ([T/64, 16] int32, packed sequences on one
+# lane, B == 1) h0 and the final state are [N, HV, K, V], set/written per sequence in-kernel.
 
 
-def _forward(cfg, q, k, v, G, beta, h0):
+def _forward(cfg, q, k, v, G, beta, h0, meta):
     with _kernels(cfg):
         w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
-        o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]))
+        o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]), meta)
     return o, ht
 
 
-def _core_fwd(cfg, q, k, v, G, beta, h0):
-    o, ht = _forward(cfg, q, k, v, G, beta, h0)
+def _core_fwd(cfg, q, k, v, G, beta, h0, meta):
+    o, ht = _forward(cfg, q, k, v, G, beta, h0, meta)
     G = checkpoint_name(G, remat.GDN_GATE_CUMSUM)
-    return (o, ht), (q, k, v, G, beta, h0)
+    return (o, ht), (q, k, v, G, beta, h0, meta)
 
 
 def _core_bwd(cfg, res, cts):
     # five launches: recompute (A, w, u), recompute (h, v_new), reverse dh loop with dv2,
     # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces
-    q, k, v, G, beta, h0 = res
+    q, k, v, G, beta, h0, meta = res
     do, dht = cts
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -118,8 +119,10 @@ def _core_bwd(cfg, res, cts):
     with _kernels(cfg):
         # the same kernels and configs as the forward: w and h are the quantised values it used
         w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True, w_quant=cfg.w_quant))
-        h, vn = chunk_fwd(None, k, w, u, G, h0, cfg.fwd_config(v.shape[-1], store_h=True))
-        dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do.astype(dt), G, dht, ChunkBwdDhConfig(scale))
+        h, vn = chunk_fwd(None, k, w, u, G, h0, cfg.fwd_config(v.shape[-1], store_h=True), meta)
+        dh_k, dv2_k, dh0 = chunk_bwd_dh(
+            q, k, w, do.astype(dt), G, dht, ChunkBwdDhConfig(scale), meta
+        )
         dq, dk_a, dw, dg_a, rs, hd = bwd_dqkw(
             q, k, h, dh_k, vn, do.astype(dt), dv2_k, G, scale=scale
         )
@@ -135,12 +138,16 @@ def _core_bwd(cfg, res, cts):
     last = rs.reshape(B, HV, nt, CHUNK).sum(-1) + jnp.exp(Gl) * hd.sum(-1)
     dG = (dg_a + dg_r - dg_c).reshape(B, HV, nt, CHUNK)
     dG = dG.at[..., -1].add(last).reshape(B, HV, T)
-    return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0
+    if meta is not None:  # rows of sequences without chunks were never written
+        N = h0.shape[0]
+        seen = jnp.zeros((N + 1,), bool).at[jnp.where(meta[:, 0] >= 0, meta[:, 0], N)].set(True)
+        dh0 = jnp.where(seen[:N, None, None, None], dh0, 0.0)
+    return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: PallasConfig, q, k, v, G, beta, h0):
-    return _forward(cfg, q, k, v, G, beta, h0)
+def _core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None):
+    return _forward(cfg, q, k, v, G, beta, h0, meta)
 
 
 # No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
@@ -214,6 +221,9 @@ def gated_delta_rule_pallas(
     Tp = -(-T // CHUNK) * CHUNK
     if cu_seqlens is not None and initial_state is None and not output_final_state:
         return _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens), None
+    if cu_seqlens is not None and cfg.fwd_config(V).block_v == 64:
+        o, ht = _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state)
+        return o, (ht if output_final_state else None)
 
     if cu_seqlens is None:
         N = B
@@ -221,7 +231,7 @@ def gated_delta_rule_pallas(
         qp, kp, vp, gp, bp = map(pad, (q, k, v, g, beta))
     else:
         # one lane per sequence: lane n holds tokens cu[n] .. cu[n+1]-1, then zero padding (costs
-        # N * T tokens of work; needed when initial or final states are per sequence)
+        # N * T tokens of work; only where the single-lane kernels cannot serve: block_v = 128)
         N = cu_seqlens.shape[0] - 1
         cu = cu_seqlens.astype(jnp.int32)
         t = jnp.arange(Tp, dtype=jnp.int32)
@@ -278,3 +288,32 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens):
     h0 = jnp.zeros((1, HV, K, V), f32)
     o, _ = _core(cfg, qp, kp, vp, Gp, bp, h0)
     return from_chunks(o.reshape(1, nc, CHUNK, HV, V), layout, 1, T).astype(v.dtype)
+
+
+def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):
+    """Packed sequences with initial and/or final states, on a single lane.
+
+    Sequences sit back to back, each starting at a chunk boundary (as in
+    :func:`_packed_one_lane`); the kernels set the state to ``h0[n]`` at sequence n's first chunk
+    and write its final state at its last chunk (the backward mirrors both), driven by a per-chunk
+    table of sequence ids. Work is T + 64 N rows instead of N T.
+    """
+    T = q.shape[1]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    layout = chunk_layout(1, T, CHUNK, cu_seqlens)
+    nc = layout.token.shape[1]
+    rows = nc * CHUNK
+    lane = lambda x: to_chunks(x, layout).reshape((1, rows) + x.shape[2:])
+    qp, kp, vp, gp, bp = map(lane, (q, k, v, g, beta))
+    Gp = jnp.cumsum(gp.astype(f32).reshape(1, nc, CHUNK, HV), axis=2)
+    Gp = Gp.reshape(1, rows, HV).transpose(0, 2, 1)
+    bp = bp.astype(f32).transpose(0, 2, 1)
+    h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    meta = jnp.full((nc, 16), -1, jnp.int32)
+    meta = meta.at[:, 0].set(jnp.where(layout.first[0], layout.seq[0], -1))
+    meta = meta.at[:, 1].set(jnp.where(layout.last[0], layout.seq[0], -1))
+    o, ht = _core(cfg, qp, kp, vp, Gp, bp, h0, meta)
+    ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
+    o = from_chunks(o.reshape(1, nc, CHUNK, HV, V), layout, 1, T)
+    return o.astype(v.dtype), ht

@@ -47,7 +47,10 @@ class ChunkBwdDhConfig:
             raise TypeError(f"{self.scale=} must be a Python float")
 
 
-def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group: int, nt: int):
+def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
+    q_g, k_g, w_g, do_g, g_g, dht_g = refs[:6]
+    m_g = refs[6] if packed else None  # [NT, 16] int32 per-chunk (reset, final) sequence ids
+    dh_g, dv2_g, dh0_g = refs[-3:]
     C, BV = CHUNK, cfg.block_v
     iv = lax.axis_index("v")
     hv = lax.axis_index("h")
@@ -59,22 +62,37 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
     # f16 io: dH is staged as f16 with one scale per column and written in f32 (DESIGN §3); the
     # extra f32 tile fits in SMEM only with single-buffered stores
     scaled = dt == jnp.float16
-    nbuf = 1 if scaled else 2
+    nbuf = 1 if scaled or packed else 2
 
     def load_dht(st_s, bar):
         plgpu.copy_gmem_to_smem(dht_g.at[b, hv, :, cols], st_s, bar)
         plgpu.barrier_wait(bar)
         return cp.to_wgmma(st_s[...])
 
-    dH0 = pl.run_scoped(load_dht, cp.smem((K, BV), f32), plgpu.Barrier())
+    if packed:  # every sequence's last chunk sets dH to its final-state cotangent
+        dH0 = cp.to_wgmma(jnp.zeros((K, BV), f32))
+    else:
+        dH0 = pl.run_scoped(load_dht, cp.smem((K, BV), f32), plgpu.Barrier())
 
     def scoped(dh_s, p_s, qg_s, ndv_s, dv_s, *dhf):
-        def step(idx, q_s, k_s, w_s, do_s, g_s, g2_s, dH):
+        def step(idx, q_s, k_s, w_s, do_s, g_s, g2_s, *rest):
+            *m_s, dH = rest
             (i,) = idx
             c = nt - 1 - i
             slot = lax.rem(i, nbuf)
             # the stores of step i - nbuf (same slots) must have left SMEM
             plgpu.wait_smem_to_gmem(2 * (nbuf - 1), wait_read_only=True)
+            if packed:  # packed sequences on one lane (reverse): a last chunk loads its dht
+                reset, fin = m_s[0][0], m_s[0][1]
+
+                @pl.when(fin >= 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(dht_g.at[fin, hv, :, cols], dhf[0], dhf[1])
+                    plgpu.barrier_wait(dhf[1])
+
+                # a vector predicate (select does not broadcast a scalar one on the GPU)
+                on = cp.iota((K, BV), 0) < jnp.where(fin >= 0, K, 0)
+                dH = jnp.where(on, cp.load_tile(dhf[0]), dH)
             if scaled:
                 dh_ref = dh_s
                 inv, sc = f16_stage_scales(dH, axis=0)
@@ -83,7 +101,7 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
                 unstage = lambda x: x * cp.bcast_cols(sc, x.shape)
                 dh_src = dhf[0]
             else:
-                dh_ref = dh_src = dh_s.at[slot]
+                dh_ref = dh_src = dh_s.at[slot] if nbuf == 2 else dh_s
                 dh_ref[...] = dH.astype(dt)
                 unstage = lambda x: x
             plgpu.commit_smem()
@@ -119,7 +137,17 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
                 plgpu.wgmma_wait(0)
                 return acc[...]
 
-            return dH * jnp.exp(g_last) + pl.run_scoped(upd, plgpu.ACC((K, BV), f32))
+            dH = dH * jnp.exp(g_last) + pl.run_scoped(upd, plgpu.ACC((K, BV), f32))
+            if packed:  # a sequence's first chunk: dH is now the cotangent of its h0
+
+                @pl.when(reset >= 0)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the dh store left dhf
+                    dhf[0][...] = dH
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dhf[0], dh0_g.at[reset, hv, :, cols])
+
+            return dH
 
         rev = lambda i: nt - 1 - i
         tile = lambda n: dict(dtype=dt, cols=n)
@@ -131,14 +159,18 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
             cp.block_spec((None, None, C), lambda i: (b, hv, rev(i))),  # G (rows)
             cp.block_spec((None, None, C), lambda i: (b, hv, rev(i))),  # G (columns)
         ]
+        ins = (q_g, k_g, w_g, do_g, g_g, g_g)
+        if packed:
+            specs.append(cp.block_spec((None, 16), lambda i: (rev(i), 0)))  # (reset, final) ids
+            ins += (m_g,)
         dH = plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=dH0
-        )(q_g, k_g, w_g, do_g, g_g, g_g)
+        )(*ins)
         plgpu.wait_smem_to_gmem(0)
         return dH
 
-    dh_shape = (K, BV) if scaled else (2, K, BV)
-    dv_shape = (C, BV) if scaled else (2, C, BV)
+    dh_shape = (K, BV) if nbuf == 1 else (2, K, BV)
+    dv_shape = (C, BV) if nbuf == 1 else (2, C, BV)
     dH = pl.run_scoped(
         scoped,
         cp.smem(dh_shape, dt),
@@ -146,8 +178,12 @@ def _dh_body(q_g, k_g, w_g, do_g, g_g, dht_g, dh_g, dv2_g, dh0_g, *, cfg, group:
         cp.smem((C, K), dt),
         cp.smem((C, BV), dt),
         cp.smem(dv_shape, f32),
-        *([cp.smem((K, BV), f32)] if scaled else []),  # dH in f32 (the dh output), f16 io
+        # dH in f32: the dh output with f16 io; the dht / dh0 staging of packed sequences
+        *([cp.smem((K, BV), f32)] if scaled or packed else []),
+        *([plgpu.Barrier()] if packed else []),
     )
+    if packed:
+        return
 
     def final(st_s):
         st_s[...] = dH
@@ -166,32 +202,39 @@ def chunk_bwd_dh(
     g_cum: jax.Array,
     dht: jax.Array,
     config: ChunkBwdDhConfig,
+    meta: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reverse chunk loop of the backward.
 
     Args:
       q, k: [B, T, H, K]; w: [B, T, HV, K]; do: [B, T, HV, V] (all the io dtype); T % 64 == 0.
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
-      dht: [B, HV, K, V] f32 cotangent of the final state.
+      dht: [B, HV, K, V] f32 cotangent of the final state ([N, HV, K, V] with ``meta``).
       config: :class:`ChunkBwdDhConfig`.
+      meta: packed sequences on one lane (B == 1), as for
+        :func:`pallas_kernels.gdn.chunk_fwd.chunk_fwd`: [T/64, 16] int32 (reset, final) ids.
     Returns:
       dh [B, T/64, HV, K, V] (io dtype, f32 for f16 io; gradient of the state at each chunk's end),
       dv2 [B, T, HV, V] f32 (gradient of v_new; f32: dβ is sensitive to its rounding),
-      dh0 [B, HV, K, V] f32.
+      dh0 [B, HV, K, V] f32 ([N, HV, K, V] with ``meta``; rows of sequences without chunks
+      unwritten).
     """
     B, T, H, K = k.shape
     HV, V = do.shape[2], do.shape[3]
     if T % CHUNK or V % config.block_v:
         raise ValueError(f"{k.shape=} {do.shape=}: T % 64 and V % block_v must be 0")
     nt = T // CHUNK
+    packed = meta is not None
+    if packed and (B != 1 or meta.shape != (nt, 16) or meta.dtype != jnp.int32):
+        raise ValueError(f"{k.shape=} {meta.shape=} {meta.dtype=}: meta must be [T/64, 16] int32")
     out_type = (
         jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if k.dtype == jnp.float16 else k.dtype),
         jax.ShapeDtypeStruct((B, T, HV, V), f32),
-        jax.ShapeDtypeStruct((B, HV, K, V), f32),
+        jax.ShapeDtypeStruct(dht.shape if packed else (B, HV, K, V), f32),
     )
 
     def body(*refs):
-        _dh_body(*refs, cfg=config, group=HV // H, nt=nt)
+        _dh_body(*refs, cfg=config, group=HV // H, nt=nt, packed=packed)
 
     fn = cp.kernel(
         body,
@@ -200,4 +243,4 @@ def chunk_bwd_dh(
         grid_names=("v", "h", "b"),
         name="gdn_chunk_bwd_dh",
     )
-    return fn(q, k, w, do, g_cum, dht)
+    return fn(q, k, w, do, g_cum, dht, *(() if meta is None else (meta,)))

@@ -59,13 +59,16 @@ class ChunkFwdConfig:
             raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
 
 
-def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
+def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
     C, BV = CHUNK, cfg.block_v
+    refs = list(refs)
+    q_g = None if cfg.store_h else refs.pop(0)
+    k_g, w_g, u_g, g_g, h0_g = refs[:5]
+    m_g = refs[5] if packed else None  # [NT, 16] int32 per-chunk (reset, final) sequence ids
     if cfg.store_h:
-        k_g, w_g, u_g, g_g, h0_g, h_g, vn_g = refs
-        q_g = None
+        h_g, vn_g = refs[-2:]
     else:
-        q_g, k_g, w_g, u_g, g_g, h0_g, o_g, ht_g = refs
+        o_g, ht_g = refs[-2:]
     iv = lax.axis_index("v")
     hv = lax.axis_index("h")
     b = lax.axis_index("b")
@@ -84,21 +87,39 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
         plgpu.barrier_wait(bar)
         return cp.to_wgmma(h0_s[...])
 
-    S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
+    if packed:  # every state is set by its sequence's first chunk
+        S0 = cp.to_wgmma(jnp.zeros((K, BV), f32))
+    else:
+        S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
 
     def scoped(s_s, vn_s, *bufs):
         # store_h: vd_s (+ the f32 h tiles with f16 io); forward: p_s, o_s, and v_dec reuses the
         # v_new tile once o is done with it (SMEM: block_v = 128 must fit in 227 KiB)
+        bufs = list(bufs)
+        st_s, st_bar = (bufs.pop(), bufs.pop())[::-1] if packed else (None, None)
         vd_s, p_s, o_s = (bufs[0], None, None) if store_h else (vn_s, *bufs[:2])
         hf_s = bufs[1] if store_h and scaled else None
 
         def step(idx, *args):
+            args = list(args)
+            m_s = args.pop(-2) if packed else None
             if store_h:
                 k_s, w_s, u_s, g_s, S = args
             else:
                 q_s, k_s, w_s, u_s, g_s, S = args
             (c,) = idx
             slot = lax.rem(c, 2)
+            if packed:  # packed sequences on one lane: a sequence's first chunk loads its h0
+                reset, fin = m_s[0], m_s[1]
+
+                @pl.when(reset >= 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(h0_g.at[reset, hv, :, cols], st_s, st_bar)
+                    plgpu.barrier_wait(st_bar)
+
+                # a vector predicate (select does not broadcast a scalar one on the GPU)
+                on = cp.iota((K, BV), 0) < jnp.where(reset >= 0, K, 0)
+                S = jnp.where(on, cp.load_tile(st_s), S)
             if cfg.state_quant is not None:
                 # QAT: the carry becomes the quantised state; the products below and the decayed
                 # update both use it (as the xla path does)
@@ -146,7 +167,17 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
             vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
             vd_s[...] = vd.astype(dt)
             plgpu.commit_smem()
-            return S * jnp.exp(g_last) + cp.matmul(k_s.T, vd_s, (K, BV))
+            S = S * jnp.exp(g_last) + cp.matmul(k_s.T, vd_s, (K, BV))
+            if packed and not store_h:  # a sequence's last chunk writes its final state
+
+                @pl.when(fin >= 0)
+                def _():
+                    st_s[...] = S
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(st_s, ht_g.at[fin, hv, :, cols])
+                    plgpu.wait_smem_to_gmem(0)  # before the next h0 load overwrites st_s
+
+            return S
 
         tile = lambda cols_: dict(dtype=dt, cols=cols_)
         specs = []
@@ -159,6 +190,9 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
             cp.block_spec((None, None, C), lambda c: (b, hv, c)),  # G [B, HV, T]
         ]
         ins = (k_g, w_g, u_g, g_g) if store_h else (q_g, k_g, w_g, u_g, g_g)
+        if packed:
+            specs.append(cp.block_spec((None, 16), lambda c: (c, 0)))  # (reset, final) ids
+            ins += (m_g,)
         S = plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=S0
         )(*ins)
@@ -172,8 +206,10 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int):
         bufs = (cp.smem((C, BV), dt),) + ((cp.smem((2, K, BV), f32),) if scaled else ())
     else:
         bufs = (cp.smem((C, C), dt), cp.smem((2, C, BV), dt))
+    if packed:
+        bufs += (cp.smem((K, BV), f32), plgpu.Barrier())  # h0 / final state staging
     S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), *bufs)
-    if not store_h:
+    if not store_h and not packed:
 
         def final(st_s):
             st_s[...] = S
@@ -192,6 +228,7 @@ def chunk_fwd(
     g_cum: jax.Array,
     h0: jax.Array,
     config: ChunkFwdConfig,
+    meta: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the chunk loop.
 
@@ -199,10 +236,14 @@ def chunk_fwd(
       q, k: [B, T, H, K] (q unused/None with ``store_h``); T a multiple of 64.
       w: [B, T, HV, K]; u: [B, T, HV, V] (from :func:`pallas_kernels.gdn.intra.intra_chunk`).
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
-      h0: [B, HV, K, V] f32 initial state.
+      h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``).
       config: :class:`ChunkFwdConfig`.
+      meta: packed sequences on one lane (B == 1): [T/64, 16] int32, column 0 the sequence whose
+        first chunk this is (its state is set to h0[that]) or -1, column 1 the sequence whose
+        last chunk this is (its end state is written to final[that]) or -1.
     Returns:
-      Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32).
+      Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
+      ``meta``, rows of sequences without chunks unwritten).
       ``store_h``: (h [B, T/64, HV, K, V] in k.dtype (f32 for f16 io), the state entering each
       chunk (after ``config.state_quant``); v_new [B, T, HV, V]).
     """
@@ -218,6 +259,11 @@ def chunk_fwd(
             "whole K×V state in one CTA (block_v == V); use 'column' or block_v=V"
         )
     nt = T // CHUNK
+    packed = meta is not None
+    if packed and (B != 1 or meta.shape != (nt, 16) or meta.dtype != jnp.int32):
+        raise ValueError(f"{k.shape=} {meta.shape=} {meta.dtype=}: meta must be [T/64, 16] int32")
+    if packed and config.block_v == 128:
+        raise NotImplementedError("packed states with block_v=128: no SMEM for the state staging")
     if config.store_h:
         h_dtype = f32 if k.dtype == jnp.float16 else k.dtype
         out_type = (
@@ -228,12 +274,13 @@ def chunk_fwd(
     else:
         out_type = (
             jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
-            jax.ShapeDtypeStruct((B, HV, K, V), f32),
+            jax.ShapeDtypeStruct(h0.shape if packed else (B, HV, K, V), f32),
         )
         ins = (q, k, w, u, g_cum, h0)
+    ins += (meta,) if packed else ()
 
     def body(*refs):
-        _fwd_body(*refs, cfg=config, group=HV // H, nt=nt)
+        _fwd_body(*refs, cfg=config, group=HV // H, nt=nt, packed=packed)
 
     fn = cp.kernel(
         body,

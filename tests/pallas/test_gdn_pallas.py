@@ -82,7 +82,8 @@ def _check_2x(x, cu, cts, dtype, *, floor=1e-5):
     "B,T,H,HV,K,V,cu",
     [
         (1, 100, 1, 2, 64, 64, None),  # GVA, partial last chunk, initial state
-        (1, 100, 1, 1, 64, 64, [0, 30, 30, 100]),  # packed with an empty sequence
+        # packed with initial/final states on one lane; empty sequences first, inside and last
+        (1, 100, 1, 1, 64, 64, [0, 0, 70, 70, 100, 100]),
         (1, 128, 1, 1, 64, 128, None),  # K != V
     ],
 )
