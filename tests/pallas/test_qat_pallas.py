@@ -293,13 +293,3 @@ def test_gpu_state_qat_matches_quantised_recurrence(granularity):
     cfg = qat.QATConfig(sites=("state",), state_granularity=granularity)
     x, cts = _case(8, 1, 4096, 16, 16, 128, 128)
     _check_2x(x, cts, cfg, recurrent_gated_delta_rule)
-
-
-@pytest.mark.gpu
-def test_gpu_qat_none_is_bitwise_the_plain_kernels():
-    x, cts = _case(9, 2, 1024, 4, 8, 128, 128)
-    plain = jax.jit(lambda x: _loss_and_grads(_pallas, x, jnp.bfloat16, cts, None))(x)
-    fn = jax.jit(lambda x: _loss_and_grads(
-        lambda *a, qat=None, **kw: _pallas(*a, **kw), x, jnp.bfloat16, cts, None))  # fmt: skip
-    for name, a, b in zip(NAMES, plain, fn(x), strict=True):
-        assert np.array_equal(np.asarray(a), np.asarray(b)), name
