@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new settings")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if any(s.startswith("te+") for s in args.settings.split(",")):
+        fp8.te_available()  # import TE before JAX loads its CUDA libraries (see fp8.import_te)
     start = time.perf_counter()
     rows = []
     print(f"{jax.devices()[0].device_kind}: {args.preset} B={args.batch} T={args.seq}")

@@ -208,6 +208,8 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
 def main(argv: list[str] | None = None) -> dict:
     """Run the training; returns the final metrics and the trained parameters (for tests)."""
     args = parse_args(argv)
+    if args.fp8 == "te":
+        fp8_lib.import_te()  # before JAX initialises the GPU (see gdn_jax.fp8.import_te)
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before any device is used
     out = Path(args.out).resolve()

@@ -269,7 +269,10 @@ def import_te():
     """Import TransformerEngine-JAX, or raise :class:`TEUnavailableError` saying why.
 
     TE raises more than ImportError when the GPU stack is missing (OSError for libcuda, a
-    RuntimeError for an old driver), hence ``except Exception``.
+    RuntimeError for an old driver), hence ``except Exception``. Import TE (this function, or
+    ``import transformer_engine.jax``) before JAX initialises the GPU: on the H200 image, TE
+    imported after JAX's CUDA plugin has loaded its own cuDNN fails with ``OSError: ...
+    libcudnn_heuristic.so.9: undefined symbol`` (two cuDNN builds in one process).
 
     Returns:
       (``transformer_engine.jax``, ``transformer_engine.jax.flax``,

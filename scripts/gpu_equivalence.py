@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import sys
 import time
@@ -225,8 +226,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new variants")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if "te" in args.fp8.split(","):
+        fp8.te_available()  # import TE before JAX loads its CUDA libraries (see fp8.import_te)
     start = time.perf_counter()
     report = []
+    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"devices: {jax.devices()}  preset={args.preset} seq={args.seq} batch={args.batch}")
     kw = dict(offload_fraction=args.offload_fraction, offload_threshold=args.offload_threshold)
     ok = True

@@ -28,6 +28,13 @@ from gdn_jax.testing import rel_rms
 DN = (((2,), (0,)), ((), ()))  # [B, T, D] x [D, F]
 
 
+@pytest.fixture(autouse=True)
+def _exact_f32_matmuls():
+    """The references below are f32 matmuls; on a GPU XLA would run them in TF32 (1e-3 error)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _xw(dtype=jnp.float32):
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (2, 24, 32), jnp.float32).astype(dtype)
