@@ -46,10 +46,12 @@ def pallas_op(variant):
 def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, **kw):
     """(o, final state, *grads of Σ o·do + Σ final·dfinal w.r.t. the positional args and h0),
     with q, k, v cast to ``dtype``; gates stay f32. ``kw`` go to ``fn`` (default l2norm on)."""
-    do, dht = cts
     kw = dict(dict(use_qk_l2norm=True), **kw)
 
-    def loss(args, h0):
+    # cotangents and cu_seqlens are arguments, not closure constants: XLA would constant-fold
+    # transposes of large constants (slow compiles)
+    def loss(args, h0, cts, cu):
+        do, dht = cts
         o, s = fn(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * dht), (o, s)
 
@@ -58,7 +60,7 @@ def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, **kw):
     f = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
     if jit:
         f = jax.jit(f)
-    (_, (o, s)), (dargs, dh0) = f(args, x["initial_state"])
+    (_, (o, s)), (dargs, dh0) = f(args, x["initial_state"], cts, cu)
     return (o, s, *dargs, dh0)
 
 
