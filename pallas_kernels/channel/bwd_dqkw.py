@@ -106,7 +106,13 @@ def _dqkw_body(
         else:
             dq = dq + dec.rows(dp_s, k, x_s)
         r1 = dq * q
-        emit(dq, dq_g.at[b, rows, hv, :])
+        if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s)
+            x_s[...] = dq.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(x_s, dq_g.at[b, rows, hv, :])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        else:
+            emit(dq, dq_g.at[b, rows, hv, :])
         dk = dec.cols(dp_s, q, x_s, sliced=sliced)
         plgpu.barrier_wait(bar.at[len(srcs)])
         dks = cp.matmul(vn_s, h_s.T, (C, K)) * dec.e_last()  # the state part of dk
@@ -152,7 +158,8 @@ def channel_bwd_dqkw(
       scale: output scale.
       sliced: form the decayed products with 16-deep contractions over sub-chunk slices.
     Returns:
-      dq, dk [B, T, HV, K] f32 (per value head), dw [B, T, HV, K] io dtype,
+      dq [B, T, HV, K] (per value head; io dtype without GVA, else f32 to be summed),
+      dk [B, T, HV, K] f32 (per value head), dw [B, T, HV, K] io dtype,
       dG [B, T, HV, K] f32 (gradient w.r.t. G of the output/state parts, without the last-row
       term e^{G_last} Σ_v h ⊙ dh).
     """
@@ -165,7 +172,7 @@ def channel_bwd_dqkw(
     nt = T // CHUNK
     S = jax.ShapeDtypeStruct
     out_type = (
-        S((B, T, HV, K), f32),
+        S((B, T, HV, K), q.dtype if HV == H else f32),
         S((B, T, HV, K), f32),
         S((B, T, HV, K), q.dtype),
         S((B, T, HV, K), f32),

@@ -146,7 +146,9 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
             dbe = jnp.sum(dwg, axis=1)
         else:
             emit(dwg, dwg_g.at[b, rows, hv, :])
-        emit(dv, dv_g.at[b, rows, hv, :])
+        x_s[...] = dv.astype(dt)  # dv leaves in the io dtype, staged in the (free) operand tile
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_s, dv_g.at[b, rows, hv, :])
 
         # dL = −Aᵀ (dA Aᵀ), strict lower
         t1 = cp.matmul(m_s, a_s.T, (C, C))
@@ -159,6 +161,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         plgpu.commit_smem()
 
         dkbg = cp.matmul(a_s.T, dw_s, (C, K))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the dv store has read x_s
         dbk_l = dec.rows(m_s, k, x_s)
         dbk = dkbg * eG + dbk_l
         dG = (dkbg * eG + dbk_l) * bk  # = dkbg ⊙ bk e^G + dbk_L ⊙ bk
@@ -218,7 +221,7 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
       w_gate: GDN2: [B, T, HV, V] f32; KDA: None.
       config: :class:`ChannelBwdWyConfig`.
     Returns:
-      GDN2: dk [B, T, HV, K] f32 (per value head), dv [B, T, HV, V] f32, dG [B, T, HV, K] f32,
+      GDN2: dk [B, T, HV, K] f32 (per value head), dv [B, T, HV, V] io dtype, dG [B, T, HV, K] f32,
       db [B, T, HV, K] f32, dw_gate [B, T, HV, V] f32.
       KDA: dk, dv, dG as above and dβ [B, HV, T] f32.
     """
@@ -229,7 +232,7 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
     if config.scalar_beta != (w_gate is None):
         raise ValueError("w_gate must be None exactly when config.scalar_beta")
     S = jax.ShapeDtypeStruct
-    out_type = [S((B, T, HV, K), f32), S((B, T, HV, V), f32), S((B, T, HV, K), f32)]
+    out_type = [S((B, T, HV, K), f32), S((B, T, HV, V), k.dtype), S((B, T, HV, K), f32)]
     if config.scalar_beta:
         out_type.append(S((B, HV, T), f32))
         ins = (k, v, g_cum, gr, gl, b, A, dw, du_hi, du_lo)
