@@ -143,18 +143,21 @@ def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
 def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
     """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0)`` (structure of ``res``).
 
-    TEMPORARY PATH: differentiates the xla chunked core on the saved inputs (re-running the xla
-    forward, then its backward). The Pallas backward kernels replace this body.
+    The Mosaic GPU backward (:func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`):
+    recompute qg, kg, w, u, Aqk, A and h, v_new with the forward's kernels, then the reverse
+    state-gradient loop, dq/dk/dw per chunk and the WY backward per chunk.
 
     Args:
       cfg: the core's :class:`ChannelConfig`.
       res: ``(q, k, v, G, b, w, h0)`` as described in the module docstring.
       cts: ``(do [N, Tp, HV, V] io dtype, dht [N, HV, K, V] f32)``.
     """
+    from gdn_jax.ops._channel_pallas_bwd import channel_backward_pallas
+
     q, k, v, G, b, w, h0 = res
     do, dht = cts
-    _, vjp = jax.vjp(functools.partial(_xla_core, cfg), q, k, v, G, b, w, h0)
-    return vjp((do.astype(f32), dht.astype(f32)))
+    with _kernels(cfg):
+        return channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, scale=cfg.scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
