@@ -1,10 +1,10 @@
 """Backward kernels of the channel-gated variants (GDN2, KDA): CPU interpreter numerics, CUDA
 lowering, GPU accuracy/robustness at realistic shapes.
 
-The op's core is the ``custom_vjp`` of :mod:`gdn_jax.ops._channel_pallas`; these tests run it with
-the Pallas backward of :mod:`gdn_jax.ops._channel_pallas_bwd` (the fixture below installs it, so
-they test the kernels whether or not the op's own backward already calls them). Two levels:
+The op's core is the ``custom_vjp`` of :mod:`gdn_jax.ops._channel_pallas`, whose backward is the
+driver :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`. Three levels:
 
+- kernels: each backward launch against its formulas in jnp;
 - core: the backward driver against the VJP of the xla chunked core on the same padded lanes,
   with the 2x rule against that core run in f32 (cheap, isolates the kernels);
 - op: every gradient of the public op against the f32 recurrent oracle (2x rule of DESIGN §7),
@@ -13,7 +13,6 @@ they test the kernels whether or not the op's own backward already calls them). 
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -31,25 +30,6 @@ from pallas_kernels import _compat as pk
 BWD_KERNELS = ("chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy", "chan_intra", "chan_chunk_h")
 CORE_NAMES = ("dq", "dk", "dv", "dG", "db", "dw", "dh0")
 f32 = jnp.float32
-
-
-def _pallas_bwd(cfg, res, cts):
-    with cpm._kernels(cfg):
-        return channel_backward_pallas(*res, *cts, scale=cfg.scale)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, q, k, v, G, b, w, h0):
-    return cpm._forward(cfg, q, k, v, G, b, w, h0)
-
-
-_core.defvjp(cpm._core_fwd, _pallas_bwd)
-
-
-@pytest.fixture(autouse=True)
-def _pallas_backward(monkeypatch):
-    """The op's core with the Pallas backward (the glue looks ``_core`` up at call time)."""
-    monkeypatch.setattr(cpm, "_core", _core)
 
 
 def _interpret(fn):
