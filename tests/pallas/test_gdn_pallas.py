@@ -61,10 +61,15 @@ def _case(seed, B, T, H, HV, K, V, cu, gate_scale=1.0):
     return x, cu, cts
 
 
+def _jit_loss_and_grads(fn, x, cu, dtype, cts):
+    """One compiled program per call (eager op-by-op dispatch costs minutes on the GPU)."""
+    return jax.jit(lambda x, cu, cts: _loss_and_grads(fn, x, cu, dtype, cts))(x, cu, cts)
+
+
 def _check_2x(x, cu, cts, dtype, *, floor=1e-5):
-    ref32 = _loss_and_grads(recurrent_gated_delta_rule, x, cu, jnp.float32, cts)
-    ref_lo = _loss_and_grads(recurrent_gated_delta_rule, x, cu, dtype, cts)
-    got = _loss_and_grads(_pallas, x, cu, dtype, cts)
+    ref32 = _jit_loss_and_grads(recurrent_gated_delta_rule, x, cu, jnp.float32, cts)
+    ref_lo = _jit_loss_and_grads(recurrent_gated_delta_rule, x, cu, dtype, cts)
+    got = _jit_loss_and_grads(_pallas, x, cu, dtype, cts)
     report = []
     for name, a, b, r in zip(NAMES, got, ref_lo, ref32, strict=True):
         err, budget = rel_rms(a, r), rel_rms(b, r)
@@ -103,13 +108,14 @@ def _check_packed_one_lane(B, T, H, HV, cu, dtype, seed=0):
     do = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x["v"].shape), jnp.float32)
 
     def run(fn, dt):
-        def loss(q, k, v, g, b):
+        def loss(q, k, v, g, b, cu, do):
             o, s = fn(q, k, v, g, b, cu_seqlens=cu, use_qk_l2norm=True)
             assert s is None
             return jnp.sum(o.astype(jnp.float32) * do), o
 
-        args = [x[n].astype(dt) for n in ("q", "k", "v")] + [x["g"], x["beta"]]
-        (_, o), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(*args)
+        args = [x[n].astype(dt) for n in ("q", "k", "v")] + [x["g"], x["beta"], cu, do]
+        vg = jax.jit(jax.value_and_grad(loss, argnums=range(5), has_aux=True))
+        (_, o), grads = vg(*args)
         return (o, *grads)
 
     def one_lane(q, k, v, g, b, **kw):  # direct call: the op may ask for final states
@@ -285,7 +291,7 @@ def test_gpu_extreme_gates_finite(g_val, beta_val):
     x, cu, cts = _case(5, 1, 2048, 4, 8, 128, 128, None)
     x["g"] = jnp.full_like(x["g"], g_val)
     x["beta"] = jnp.full_like(x["beta"], beta_val)
-    got = _loss_and_grads(_pallas, x, cu, jnp.bfloat16, cts)
+    got = _jit_loss_and_grads(_pallas, x, cu, jnp.bfloat16, cts)
     for name, a in zip(NAMES, got, strict=True):
         assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), name
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]

@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -61,11 +62,29 @@ def _fq_input(N):
     return jnp.asarray(x)
 
 
+def _fq_exact(x, axes):
+    """The definition of gdn_jax.qat.fake_quant in numpy: IEEE f32 division and multiplies,
+    round-to-nearest-even to e4m3 (ml_dtypes)."""
+    x = np.asarray(x, np.float32)
+    amax = np.max(np.abs(x), axis=axes, keepdims=True)
+    nz = amax > 0
+    one = np.float32(1.0)
+    inv = np.where(nz, np.float32(448.0) / np.where(nz, amax, one), one).astype(np.float32)
+    scale = np.where(nz, amax * np.float32(1.0 / 448.0), one).astype(np.float32)
+    return (x * inv).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+
+
 def _check_fq_bitwise(N):
+    """The kernel's quantiser is bitwise the exact definition. XLA's fake_quant is reported: on
+    the GPU, XLA lowers f32 division to div.full (not correctly rounded), which can move
+    448 / amax by an ulp and flip an e4m3 rounding at a tie."""
     x = _fq_input(N)
     for groups, axes in GROUP_AXES.items():
         got = np.asarray(jax.jit(_fq_kernel, static_argnums=1)(x, groups))
-        want = np.asarray(jax.jit(qat.fake_quant, static_argnums=(1, 2))(x, axes, "e4m3"))
+        want = _fq_exact(x, axes)
+        xla = np.asarray(jax.jit(qat.fake_quant, static_argnums=(1, 2))(x, axes, "e4m3"))
+        print(f"fake quant {groups}: kernel != exact at {np.sum(got != want)}, "
+              f"xla != exact at {np.sum(xla != want)} of {x.size}")  # fmt: skip
         assert np.array_equal(got, want), (groups, np.max(np.abs(got - want)))
         assert not np.array_equal(got, np.asarray(x)), groups  # it does quantise
 
@@ -116,9 +135,11 @@ def _loss_and_grads(fn, x, dtype, cts, cfg):
 
 def _check_2x(x, cts, cfg, ref_fn, dtype=jnp.bfloat16, floor=1e-5):
     """pallas (QAT on) vs the f32 fake-quantised ``ref_fn``, budget = ``ref_fn`` in ``dtype``."""
-    ref32 = _loss_and_grads(ref_fn, x, jnp.float32, cts, cfg)
-    ref_lo = _loss_and_grads(ref_fn, x, dtype, cts, cfg)
-    got = _loss_and_grads(_pallas, x, dtype, cts, cfg)
+    # one compiled program per run (eager op-by-op dispatch costs minutes on the GPU)
+    run = lambda fn, dt: jax.jit(lambda x, cts: _loss_and_grads(fn, x, dt, cts, cfg))(x, cts)
+    ref32 = run(ref_fn, jnp.float32)
+    ref_lo = run(ref_fn, dtype)
+    got = run(_pallas, dtype)
     report = []
     for name, a, b, r in zip(NAMES, got, ref_lo, ref32, strict=True):
         err, budget = rel_rms(a, r), rel_rms(b, r)
@@ -276,7 +297,7 @@ def test_gpu_fake_quant_is_bitwise_the_qat_definition():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_pallas_matches_xla_with_qat(name):
-    x, cts = _case(7, 2, 2048, 16, 32, 128, 128)
+    x, cts = _case(7, 1, 2048, 16, 16, 128, 128)
     _check_2x(x, cts, CONFIGS[name], _chunk_ref)
 
 
