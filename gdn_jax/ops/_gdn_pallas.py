@@ -2,15 +2,19 @@
 kernels.
 
 Layout work happens outside the ``custom_vjp`` in plain jnp (JAX differentiates it): the optional
-L2 norm of q and k, padding T to a multiple of 64 (or, with ``cu_seqlens``, one zero-padded lane per
-sequence, so chunks never straddle sequences and every state starts at its own initial state), the
-chunk-local gate cumsum and the transposes of g and β to ``[B, HV, T]`` (TMA needs a unit last
-stride). Padded rows are inert: k = v = q = 0, β = 0 and a zero gate increment, so the cumulative
-gate of a padded row is that of the last valid row.
+L2 norm of q and k, padding T to a multiple of 64 (with ``cu_seqlens``: all sequences on one lane,
+each starting at a chunk boundary, so chunks never straddle sequences; the kernels reset the state
+at each sequence's first chunk, by a wipe gate when all initial states are zero and no final state
+is asked for, else from a per-chunk table of sequence ids), the chunk-local gate cumsum and the
+transposes of g and β to ``[B, HV, T]`` (TMA needs a unit last stride). Padded rows are inert:
+k = v = q = 0, β = 0 and a zero gate increment, so the cumulative gate of a padded row is that of
+the last valid row.
 
 The ``custom_vjp`` core (:func:`_core`) runs on those padded lanes. Its residuals are the inputs,
 the gate cumsum (named :data:`gdn_jax.remat.GDN_GATE_CUMSUM`) and the initial state; the backward
-recomputes A, w, u, the per-chunk states h and v_new with the forward kernels.
+recomputes A, w, u, the per-chunk states h and v_new with the forward kernels (with QAT: the same
+fake-quantised w and states as the forward). io dtypes: bf16 and f16 (f16 stages the f32 state and
+its gradient through per-column/row scaled f16 operands; see ``pallas_kernels.gdn.fake_quant``).
 """
 
 from __future__ import annotations
