@@ -258,7 +258,7 @@ def test_gpu_kda_with_scalar_gate_is_gdn():
     x = random_inputs(4, B=1, T=2048, H=4, HV=8, K=128, V=128, variant="gdn")
     q, k, v = (x[n].astype(jnp.bfloat16) for n in ("q", "k", "v"))
     kw = dict(initial_state=0.1 * x["initial_state"], output_final_state=True, use_qk_l2norm=True)
-    gk = jnp.broadcast_to(x["g"][..., None], x["g"].shape + (128,))
+    gk = jnp.broadcast_to(x["g"][..., None], x["g"].shape + (q.shape[-1],))
     ok, sk = pallas_op("kda")(q, k, v, gk, x["beta"], **kw)
     og, sg = gdn_jax.gated_delta_rule(q, k, v, x["g"], x["beta"], implementation="pallas", **kw)
     args32 = [x[n] for n in ("q", "k", "v", "g", "beta")]
