@@ -102,8 +102,12 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
             copies += [(b_g.at[b, rows, hv, :], b_s), (wg_g.at[b, rows, hv, :], wg_s)]
         for i, (src, dst) in enumerate(copies):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+        # v (index 2) and the write gate (last, GDN2) are needed only for u at the end: their
+        # loads overlap L, Aqk and the inverse
+        late = (2,) if scalar else (2, len(copies) - 1)
         for i in range(len(copies)):
-            plgpu.barrier_wait(bar.at[i])
+            if i not in late:
+                plgpu.barrier_wait(bar.at[i])
 
         blk = lax.shift_right_logical(cp.iota((C, K), 0), 4)  # sub-chunk of each row
 
@@ -183,6 +187,8 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, w_g.at[b, rows, hv, :])
         # u = A (w_gate ⊙ v)
+        for i in late:
+            plgpu.barrier_wait(bar.at[i])
         if scalar:
             rhs = v_s
         else:
