@@ -32,9 +32,9 @@ in the same structure: ``(dq, dk, dv, dG, db, dw, dh0)`` with dG w.r.t. the cums
 reverse cumsum to dg happens outside, by autodiff of the glue), db [N, Tp, HV] for KDA and
 dw None for KDA.
 
-The backward is TEMPORARY: it differentiates the xla chunked core (``gdn_jax.ops._xla``) on the
-saved inputs, i.e. it re-runs the xla forward and its backward. Correct, but slow; the Pallas
-backward kernels replace the body of :func:`_backward` only.
+The backward runs the Mosaic GPU backward kernels (:mod:`gdn_jax.ops._channel_pallas_bwd`).
+:func:`_xla_core` computes the same core with the xla chunked path: the tests differentiate it as
+the backward's reference (it was the backward until the kernels landed).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _core_fwd(cfg, q, k, v, G, b, w, h0):
 
 
 def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
-    """The same core computed by the xla chunked path (o in f32). Used by the temporary backward."""
+    """The same core computed by the xla chunked path (o in f32); a reference for the backward."""
     N, Tp, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     nt = Tp // CHUNK
