@@ -109,7 +109,7 @@ def time_jax(f, args, *, iters=20, reps=7) -> float:
     return 1e3 * statistics.median(times)
 
 
-def bench_jax(s, impl, x, variant="gdn", fwd_only=False, qat=None) -> dict:
+def bench_jax(s, impl, x, variant="gdn", fwd_only=False, qat=None, skip_fwd=False) -> dict:
     import gdn_jax
 
     bf = jnp.bfloat16
@@ -131,7 +131,7 @@ def bench_jax(s, impl, x, variant="gdn", fwd_only=False, qat=None) -> dict:
     # do is an argument, not a closure constant: XLA would constant-fold its transposes (minutes)
     args = (q, k, v) + gate_args
     fb = jax.jit(jax.value_and_grad(loss, argnums=range(len(args))))
-    r = {"fwd_ms": time_jax(fwd, args)}
+    r = {} if skip_fwd else {"fwd_ms": time_jax(fwd, args)}
     if not fwd_only:
         r["fwdbwd_ms"] = time_jax(fb, (*args, do), iters=10)
     return r
@@ -140,9 +140,9 @@ def bench_jax(s, impl, x, variant="gdn", fwd_only=False, qat=None) -> dict:
 QAT_CONFIGS = ("off", "column_row", "matrix_tile")
 
 
-def bench_qat(shapes, impls, names=QAT_CONFIGS) -> list[dict]:
+def bench_qat(shapes, impls, names=QAT_CONFIGS, skip_fwd=False) -> list[dict]:
     """QAT cost: fwd and fwd+bwd of each impl with QAT off and on (both sites; ``names`` picks
-    granularity pairs state_w), all in one run."""
+    granularity pairs state_w), all in one run; ``skip_fwd`` times fwd+bwd only."""
     from gdn_jax.qat import QATConfig
 
     configs = {
@@ -157,7 +157,7 @@ def bench_qat(shapes, impls, names=QAT_CONFIGS) -> list[dict]:
         for impl in impls:
             for cname, cfg in configs.items():
                 try:
-                    r = bench_jax(s, impl, x, qat=cfg)
+                    r = bench_jax(s, impl, x, qat=cfg, skip_fwd=skip_fwd)
                 except Exception as e:  # noqa: BLE001  report and go on
                     r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 rows.append({"shape": name, "impl": impl, "qat": cname, **r})
