@@ -107,7 +107,7 @@ class Decay:
     # ----------------------------------------------------------------------------------------
     # products
 
-    def _stage(self, s, val, part: int):
+    def stage(self, s, val, part: int):
         """Writes the ``part`` (0: hi, 1: lo) of the two-term 16-bit split of f32 ``val`` to ``s``.
 
         The decayed products are staged as hi + lo (≈ f32): the row and column halves of a
@@ -130,7 +130,7 @@ class Decay:
         if dt_s is not None:
             val = Y * jnp.exp(self.own_ref() - self.G())
             for part in (0, 1):
-                self._stage(ys_s, val, part)
+                self.stage(ys_s, val, part)
                 for j in range(NSUB):
                     sl = pl.ds(SUB * j, SUB)
                     keep = self.row >= SUB * j
@@ -142,7 +142,7 @@ class Decay:
         for i in range(NSUB):
             val = Y * self.e_to(i)
             for part in (0, 1):
-                self._stage(ys_s, val, part)
+                self.stage(ys_s, val, part)
                 t = jnp.where(self.in_blk(i), cp.matmul(d_s, ys_s, (C, K)), 0.0)
                 Z = t if Z is None else Z + t
         return Z * self.e_own()
@@ -158,7 +158,7 @@ class Decay:
         if sliced:
             val = X * self.e_own()
             for part in (0, 1):
-                self._stage(xs_s, val, part)
+                self.stage(xs_s, val, part)
                 for i in range(NSUB):
                     sl = pl.ds(SUB * i, SUB)
                     t = self.e_to(i) * cp.matmul(d_s.at[sl].T, xs_s.at[sl], (C, K))
@@ -168,7 +168,7 @@ class Decay:
             t = None
             val = jnp.where(self.in_blk(i), X * self.e_own(), 0.0)
             for part in (0, 1):
-                self._stage(xs_s, val, part)
+                self.stage(xs_s, val, part)
                 m = cp.matmul(d_s.T, xs_s, (C, K))
                 t = m if t is None else t + m
             t = self.e_to(i) * t

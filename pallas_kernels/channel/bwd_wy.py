@@ -130,8 +130,6 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
             return acc[...]
 
         dA = dA + pl.run_scoped(du_mm, plgpu.ACC((C, C), f32))
-        m_s[...] = dA.astype(dt)
-        plgpu.commit_smem()
 
         def dwv_mm(acc):
             plgpu.wgmma(acc, a_s.T, duh_s)
@@ -150,11 +148,18 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(x_s, dv_g.at[b, rows, hv, :])
 
-        # dL = −Aᵀ (dA Aᵀ), strict lower
-        t1 = cp.matmul(m_s, a_s.T, (C, C))
-        m_s[...] = t1.astype(dt)
-        plgpu.commit_smem()
-        dL = -cp.matmul(a_s.T, m_s, (C, C))
+        # dL = −Aᵀ (dA Aᵀ), strict lower: dA and dA Aᵀ go through the tensor cores as hi + lo
+        # (≈ f32), so dL is rounded to 16 bits once (the rounding its two uses share)
+        t1 = None
+        for part in (0, 1):
+            dec.stage(m_s, dA, part)
+            t = cp.matmul(m_s, a_s.T, (C, C))
+            t1 = t if t1 is None else t1 + t
+        dL = None
+        for part in (0, 1):
+            dec.stage(m_s, t1, part)
+            t = cp.matmul(a_s.T, m_s, (C, C))
+            dL = -t if dL is None else dL - t
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
         m_s[...] = jnp.where(row > col, dL, 0.0).astype(dt)
@@ -203,7 +208,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         slice_smem((C, V), dt, sliced),  # du hi
         slice_smem((C, V), dt, sliced),  # du lo
         slice_smem((C, K), dt, sliced),  # operand scratch
-        slice_smem((C, C), dt, sliced),  # dA, dA Aᵀ, then dL
+        slice_smem((C, C), dt, sliced),  # dA, dA Aᵀ (hi, lo), then dL
         cp.smem((C, K), f32) if scalar else cp.smem((8,), f32),  # f32 staging (KDA)
         cp.smem((C,), f32),  # dβ (KDA)
         plgpu.Barrier(num_barriers=n_bar),
