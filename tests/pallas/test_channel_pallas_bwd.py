@@ -13,6 +13,7 @@ driver :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`. Three le
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -325,28 +326,33 @@ def _rep(x, HV):  # GVA: q/k heads repeated to the value heads
     return jnp.repeat(x, HV // x.shape[2], axis=2)
 
 
-def check_kernels(x, *, tol=2e-2, sliced=False):
-    """Runs bwd_dh, bwd_dqkw, bwd_wy on ``x`` and compares each output with its formula."""
+def _kernel_outputs(x, scale, sliced):
+    """bwd_dh, then bwd_dqkw on its dh/dv2, then bwd_wy on their dw/dv2."""
     from pallas_kernels.channel.bwd_dh import ChannelBwdDhConfig, channel_bwd_dh
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
     from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
 
-    scale = x["cfg"].scale
-    N, T, HV, K = x["G"].shape
-    nt = T // 64
-    report, bad = [], []
-
-    def cmp(name, got, want):
-        err = rel_rms(got, want)
-        report.append(f"{name}: {err:.1e}")
-        if not err <= tol:
-            bad.append(name)
-
-    # --- bwd_dh: reverse loop in f32 from the same 16-bit operands
     dh, dvh, dvl, dh0 = channel_bwd_dh(
         x["qg"], x["kg"], x["wk"], x["do"], x["aqk"], jnp.exp(x["gl"]), x["dht"],
         ChannelBwdDhConfig(scale=scale),
     )  # fmt: skip
+    dq, dk, dwk, dG = channel_bwd_dqkw(
+        x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], dh, x["vn"], x["do"], dvh, dvl,
+        scale=scale, sliced=sliced,
+    )  # fmt: skip
+    wy = channel_bwd_wy(
+        x["k"], x["v"], x["G"], x["gr"], x["gl"], x["bk"], x["w"], x["A"], dwk, dvh, dvl,
+        ChannelBwdWyConfig(scalar_beta=x["w"] is None, sliced=sliced),
+    )  # fmt: skip
+    return dict(dh=dh, dvh=dvh, dvl=dvl, dh0=dh0, dq=dq, dk=dk, dwk=dwk, dG=dG, wy=wy)
+
+
+def _kernel_refs(x, out, scale):
+    """Each kernel's outputs by its formulas in f32 jnp, from the same inputs (jittable)."""
+    N, T, HV, K = x["G"].shape
+    nt = T // 64
+    ref = {}
+    # --- bwd_dh: reverse loop
     c5 = lambda a: a.astype(f32).reshape(N, nt, 64, HV, -1)
     qg, kg, wk, do, aqk = (c5(x[n]) for n in ("qg", "kg", "wk", "do", "aqk"))
     egl = jnp.exp(x["gl"])  # [N, HV, nt, K]
@@ -363,21 +369,16 @@ def check_kernels(x, *, tol=2e-2, sliced=False):
             + scale * jnp.einsum("nchk,nchv->nhkv", qg[:, c], do[:, c])
             - jnp.einsum("nchk,nchv->nhkv", wk[:, c], dv2)
         )
-    cmp("dh", dh, jnp.stack(dhs[::-1], 1))
-    cmp("dv2", dvh.astype(f32) + dvl.astype(f32), jnp.stack(dv2s[::-1], 1).reshape(N, T, HV, -1))
-    cmp("dh0", dh0, dH)
-
+    ref["dh"] = jnp.stack(dhs[::-1], 1)
+    ref["dv2"] = jnp.stack(dv2s[::-1], 1).reshape(N, T, HV, -1)
+    ref["dh0"] = dH
     # --- bwd_dqkw from the kernel's own dh / dv2
-    dq, dk, dwk, dG = channel_bwd_dqkw(
-        x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], dh, x["vn"], x["do"], dvh, dvl,
-        scale=scale, sliced=sliced,
-    )  # fmt: skip
     D = _explicit(x["G"])  # [M, C, C, K]
     q, k = _chunks(_rep(x["q"], HV)), _chunks(_rep(x["k"], HV))
     Gc, vn, dox = _chunks(x["G"]), _chunks(x["vn"]), _chunks(x["do"])
-    dv2 = _chunks(dvh.astype(f32) + dvl.astype(f32))
+    dv2 = _chunks(out["dvh"].astype(f32) + out["dvl"].astype(f32))
     h = x["h"].astype(f32).reshape(-1, K, K)  # [N·nt·HV, K, V] (same chunk-major, head order)
-    dhf = dh.astype(f32).reshape(-1, K, K)
+    dhf = out["dh"].astype(f32).reshape(-1, K, K)
     dP = scale * jnp.einsum("miv,mjv->mij", dox, vn) * jnp.tril(jnp.ones((64, 64)))
     dq_w = scale * jnp.exp(Gc) * jnp.einsum("miv,mkv->mik", dox, h)
     dq_w = dq_w + jnp.einsum("mij,mjd,mijd->mid", dP, k, D)
@@ -386,42 +387,61 @@ def check_kernels(x, *, tol=2e-2, sliced=False):
     dk_w = dks + jnp.einsum("mij,mid,mijd->mjd", dP, q, D)
     dG_w = dq_w * q - dk_w * k
     dG_w = dG_w.at[:, -1].add(jnp.sum(dks * k, axis=1))
-    cmp("dq", dq, _unchunk(dq_w, N, T, HV))
-    cmp("dk", dk, _unchunk(dk_w, N, T, HV))
-    cmp("dw", dwk, _unchunk(-jnp.einsum("miv,mkv->mik", dv2, h), N, T, HV))
-    cmp("dG(qk)", dG, _unchunk(dG_w, N, T, HV))
-
+    ref["dq"] = _unchunk(dq_w, N, T, HV)
+    ref["dk"] = _unchunk(dk_w, N, T, HV)
+    ref["dw"] = _unchunk(-jnp.einsum("miv,mkv->mik", dv2, h), N, T, HV)
+    ref["dG(qk)"] = _unchunk(dG_w, N, T, HV)
     # --- bwd_wy from the kernel's dw and dv2
     scalar = x["w"] is None
-    outs = channel_bwd_wy(
-        x["k"], x["v"], x["G"], x["gr"], x["gl"], x["bk"], x["w"], x["A"], dwk, dvh, dvl,
-        ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced),
-    )  # fmt: skip
     A = _chunks(x["A"])
     v = _chunks(x["v"])
     if scalar:
-        be = _chunks(x["b"][..., None])
-        b, wg = be, be
+        b = wg = _chunks(x["b"][..., None])
     else:
         b, wg = _chunks(x["b"]), _chunks(x["w"])
     bk = b * k
-    dwm = _chunks(dwk)
+    dwm = _chunks(out["dwk"])
     dA = jnp.einsum("mik,mjk->mij", dwm, bk * jnp.exp(Gc)) + jnp.einsum("miv,mjv->mij", dv2, wg * v)
     dkbg = jnp.einsum("mij,mik->mjk", A, dwm)
     dwv = jnp.einsum("mij,miv->mjv", A, dv2)
     dL = -jnp.einsum("mji,mjk,mlk->mil", A, dA, A) * jnp.tril(jnp.ones((64, 64)), -1)
     dbk = dkbg * jnp.exp(Gc) + jnp.einsum("mij,mjd,mijd->mid", dL, k, D)
     dkl = jnp.einsum("mij,mid,mijd->mjd", dL, bk, D)
-    cmp("dk(wy)", outs[0], _unchunk(dbk * b + dkl, N, T, HV))
-    cmp("dv", outs[1], _unchunk(dwv * wg, N, T, HV))
-    cmp("dG(wy)", outs[2], _unchunk(dbk * bk - dkl * k, N, T, HV))
+    ref["dk(wy)"] = _unchunk(dbk * b + dkl, N, T, HV)
+    ref["dv"] = _unchunk(dwv * wg, N, T, HV)
+    ref["dG(wy)"] = _unchunk(dbk * bk - dkl * k, N, T, HV)
     if scalar:
         dbe = jnp.sum(dbk * k, -1) + jnp.sum(dwv * v, -1)
-        cmp("dbeta", outs[3], _unchunk(dbe[..., None], N, T, HV)[..., 0].transpose(0, 2, 1))
+        ref["dbeta"] = _unchunk(dbe[..., None], N, T, HV)[..., 0].transpose(0, 2, 1)
     else:
-        cmp("db", outs[3], _unchunk(dbk * k, N, T, HV))
-        cmp("dw_gate", outs[4], _unchunk(dwv * v, N, T, HV))
-    print("kernels", "; ".join(report))
+        ref["db"] = _unchunk(dbk * k, N, T, HV)
+        ref["dw_gate"] = _unchunk(dwv * v, N, T, HV)
+    return ref
+
+
+def check_kernels(x, *, tol=2e-2, sliced=False, jit=True):
+    """Runs bwd_dh, bwd_dqkw, bwd_wy on ``x`` and compares each output with its formula."""
+    x = dict(x)
+    scale = x.pop("cfg").scale
+    out = _kernel_outputs(x, scale, sliced)
+    refs = functools.partial(_kernel_refs, scale=scale)
+    ref = (jax.jit(refs) if jit else refs)(x, out)
+    wy = out["wy"]
+    got = dict(dh=out["dh"], dv2=out["dvh"].astype(f32) + out["dvl"].astype(f32), dh0=out["dh0"],
+               dq=out["dq"], dk=out["dk"], dw=out["dwk"])  # fmt: skip
+    got["dG(qk)"] = out["dG"]
+    got["dk(wy)"], got["dv"], got["dG(wy)"] = wy[:3]
+    if x["w"] is None:
+        got["dbeta"] = wy[3]
+    else:
+        got["db"], got["dw_gate"] = wy[3], wy[4]
+    report, bad = [], []
+    for name, want in ref.items():
+        err = rel_rms(got[name], want)
+        report.append(f"{name}: {err:.1e}")
+        if not err <= tol:
+            bad.append(name)
+    print("kernels", "; ".join(report), flush=True)
     assert not bad, (bad, "; ".join(report))
 
 
@@ -429,7 +449,7 @@ def check_kernels(x, *, tol=2e-2, sliced=False):
 def test_interpret_kernels(variant):
     with pk.use_mode("interpret"):
         x = _interpret(lambda: _kernel_inputs(1, variant, 1, 128, 1, 2, 64))
-        _interpret(lambda: check_kernels(x, sliced=variant == "kda"))
+        _interpret(lambda: check_kernels(x, sliced=variant == "kda", jit=False))
 
 
 @pytest.mark.gpu
