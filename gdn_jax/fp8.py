@@ -531,7 +531,10 @@ class TEDense(nnx.Module):
             dtype=param_dtype,
         )
         self.inner = nnx.bridge.ToNNX(module, rngs=rngs)
-        with te_autocast(self.recipe):
+        # TE boxes its kernel with logical axes; NNX would place such a variable on a mesh at
+        # creation (eager sharding) and fails outside one. Sharding is applied later by the
+        # caller's rules (gdn_jax.sharding.shard_model), as for every other parameter.
+        with te_autocast(self.recipe), nnx.use_eager_sharding(False):
             nnx.bridge.lazy_init(self.inner, jnp.zeros((1, in_features), dtype or param_dtype))
         # Applying needs no randomness; dropping the bridge's Rngs keeps the module's state to
         # Param (+ FP8Meta), which is what train steps split.

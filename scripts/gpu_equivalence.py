@@ -245,6 +245,10 @@ def main(argv=None) -> int:
         except fp8.TEUnavailableError as e:
             print(f"fp8={backend}: not run ({e})")
             continue
+        except Exception as e:  # one backend's failure must not hide the others' results
+            print(f"fp8={backend}: FAILED to set up: {type(e).__name__}: {e}")
+            ok = False
+            continue
         moved = offloaded(setups[backend], "offload", **kw)
         print(f"fp8={backend}: the offload variant moves {len(moved)} tensors to host: {moved}")
         ok &= bool(moved)

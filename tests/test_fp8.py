@@ -384,7 +384,9 @@ def stand_in_te(monkeypatch, fake_te):
         @linen.compact
         def __call__(self, x):
             assert cfg.INITIALIZED, "TE modules run under autocast"
-            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+            # Like TE: the kernel carries its logical axes (a LogicallyPartitioned box).
+            init = linen.with_logical_partitioning(self.kernel_init, self.kernel_axes)
+            kernel = self.param("kernel", init, (x.shape[-1], self.features))
             hist = self.variable("fp8_metas", "x_amax_history", jnp.zeros, (4,), jnp.float32)
             return dense_with_history(x, kernel.astype(x.dtype), hist.value)
 
