@@ -109,7 +109,8 @@ def op_grads(fn, variant, x, cu, dtype, cts, *, jit=True):
 
 
 def check_op(variant, x, cu, cts, *, floor=1e-5, jit=True):
-    """2x rule of DESIGN §7 for o, the final state and every gradient of the op (bf16 io)."""
+    """2x rule of DESIGN §7 for every gradient of the op (bf16 io). o and the final state come
+    from the forward kernels: reported here, asserted by tests/pallas/test_channel_pallas.py."""
     ref32 = op_grads(RECURRENT[variant], variant, x, cu, f32, cts, jit=jit)
     ref_lo = op_grads(RECURRENT[variant], variant, x, cu, jnp.bfloat16, cts, jit=jit)
     got = op_grads(pallas_op(variant), variant, x, cu, jnp.bfloat16, cts, jit=jit)
@@ -117,7 +118,7 @@ def check_op(variant, x, cu, cts, *, floor=1e-5, jit=True):
     for name, a, b, r in zip(NAMES[variant], got, ref_lo, ref32, strict=True):
         err, budget = rel_rms(a, r), rel_rms(b, r)
         report.append(f"{name}: {err:.2e} (ref {budget:.2e})")
-        if not err <= 2 * budget + floor:
+        if name.startswith("d") and not err <= 2 * budget + floor:
             bad.append(name)
     print(variant, "op", "; ".join(report), flush=True)
     assert not bad, (bad, "; ".join(report))
