@@ -45,7 +45,9 @@ def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float, slic
       h0: [N, HV, K, V] f32 initial state.
       do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state.
       scale: the output scale.
-      sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices.
+      sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices
+        (a quarter of their tensor-core work; checked under the CPU interpreter and the CUDA
+        lowering only, never run on the GPU, hence off by default).
     Returns:
       (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
       db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32).
