@@ -24,6 +24,8 @@ import json
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.reference._common import cast_round_trip
+
 __all__ = [
     "SITES",
     "QATConfig",
@@ -115,7 +117,7 @@ def fake_quant(x: jax.Array, axes: tuple[int, ...], fmt: str = "e4m3") -> jax.Ar
     inv_scale = jnp.where(nonzero, fmax / jnp.where(nonzero, amax, 1.0), 1.0)
     # Multiply by a rounded reciprocal (what compilers turn a constant divisor into anyway).
     scale = jnp.where(nonzero, amax * jnp.float32(1.0 / fmax), 1.0)
-    return (x * inv_scale).astype(dtype).astype(jnp.float32) * scale
+    return cast_round_trip(x * inv_scale, dtype) * scale
 
 
 @fake_quant.defjvp

@@ -15,11 +15,22 @@ L2NORM_EPS = 1e-6
 _HI = jax.lax.Precision.HIGHEST
 
 
+def cast_round_trip(x: jax.Array, dtype) -> jax.Array:
+    """``x`` cast to ``dtype`` and back, with the rounding kept.
+
+    XLA's GPU compiler folds ``convert(convert(x, narrow), wide)`` into ``x`` under its default
+    ``--xla_allow_excess_precision=true``, which silently removed the rounding of the references
+    and of QAT's fake quantisation on the H200. The optimization barrier on the narrow value
+    keeps the pair (the values are what the two casts give on every backend).
+    """
+    return jax.lax.optimization_barrier(x.astype(dtype)).astype(x.dtype)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def round_through(x: jax.Array, dtype) -> jax.Array:
     """Rounds f32 ``x`` to ``dtype`` and back; the derivative is the identity (straight through),
     so cotangents are not rounded on the way back."""
-    return x.astype(dtype).astype(x.dtype)
+    return cast_round_trip(x, dtype)
 
 
 @round_through.defjvp
