@@ -165,6 +165,18 @@ def test_selector_falls_back_and_rejects_unknown():
         gdn_jax.gated_delta_rule(*args, implementation="triton")
 
 
+def test_default_order_per_variant(monkeypatch):
+    """Off Hopper every op runs xla; on Hopper GDN and the decode steps try Pallas first, while
+    KDA/GDN2 keep xla until their kernels pass the GPU suite (explicit "pallas" still works)."""
+    from gdn_jax import ops
+
+    assert all(ops.default_implementations(v) == ("xla",) for v in ("gdn", "kda", "step"))
+    monkeypatch.setattr(ops, "_on_hopper", lambda: True)
+    assert ops.default_implementations("gdn") == ("pallas", "xla")
+    assert ops.default_implementations("step") == ("pallas", "xla")
+    assert ops.default_implementations("kda") == ops.default_implementations("gdn2") == ("xla",)
+
+
 def test_empty_time_axis():
     x = random_inputs(18, B=2, T=0, H=1, HV=1, K=8, V=8)
     o, s = gdn_jax.gated_delta_rule(
