@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _compat as cp
-from pallas_kernels._compat import plgpu
+from pallas_kernels._compat import pl, plgpu
 
-__all__ = ["unit_lower_inverse", "col_vec_row"]
+__all__ = ["unit_lower_inverse", "col_vec_row", "chunk_coords", "store_f32_tile"]
 
 
 def unit_lower_inverse(L: jax.Array, x_s, oy_s, dtype) -> jax.Array:
@@ -57,3 +57,29 @@ def unit_lower_inverse(L: jax.Array, x_s, oy_s, dtype) -> jax.Array:
 def col_vec_row(ref, i: int) -> jax.Array:
     """Row ``i`` of a 2-D unswizzled f32 SMEM ref as a column-broadcast vector (``v[None, :]``)."""
     return plgpu.load(ref.at[i], layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def chunk_coords(group: int, chunk: int = 64):
+    """Grid coordinates of a per-chunk kernel on the ``("c", "h", "b")`` grid.
+
+    Returns:
+      (c, hv, b, hk, rows): chunk index, value head, batch row, the q/k head of ``hv`` under GVA
+      (``group`` value heads per q/k head) and the chunk's token rows as a ``pl.ds``.
+    """
+    c = lax.axis_index("c")
+    hv = lax.axis_index("h")
+    b = lax.axis_index("b")
+    return c, hv, b, hv // group, pl.ds(c * chunk, chunk)
+
+
+def store_f32_tile(x: jax.Array, dst) -> None:
+    """Write an f32 register tile (a state or its gradient) to the GMEM view ``dst`` through a
+    scoped SMEM buffer of the same shape, and wait for the copy."""
+
+    def body(st_s):
+        st_s[...] = x
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s, dst)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(body, cp.smem(x.shape, jnp.float32))

@@ -9,6 +9,7 @@ import numpy as np
 
 import gdn_jax
 from gdn_jax import reference
+from pallas_kernels import _compat as pk
 
 OPS = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}
 RECURRENT = {
@@ -43,3 +44,13 @@ def value_and_grads(fn, args, h0, cotangent_seed=1, **kw):
 
     grads = jax.grad(loss, argnums=(0, 1))(tuple(args), h0)
     return (o, final), tuple(grads[0]) + (grads[1],)
+
+
+def run_interpreted(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the Pallas kernels under the Mosaic GPU interpreter (CPU),
+    resetting the interpreter's shared state afterwards."""
+    with pk.use_mode("interpret"):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            pk.reset_interpreter()

@@ -48,6 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
 from gdn_jax.ops import _xla
+from gdn_jax.ops._gdn_pallas import CoreConfig, padded_lanes
 from gdn_jax.reference._common import chunk_layout, from_chunks, l2norm, to_chunks
 from pallas_kernels import _compat as pk
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
@@ -60,31 +61,19 @@ f32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
-class ChannelConfig:
-    """Static (non-differentiable) configuration of the core.
+class ChannelConfig(CoreConfig):
+    """Configuration of the GDN2/KDA core: :class:`CoreConfig` plus
 
     Attributes:
-      scale: query scale.
       scalar_beta: KDA form (b = w = β per token, b given as [N, Tp, HV], w None).
-      mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
     """
 
-    scale: float
-    scalar_beta: bool
-    mode: str = "auto"
+    scalar_beta: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.scale, float):
-            raise TypeError(f"{self.scale=} must be a Python float")
+        super().__post_init__()
         if not isinstance(self.scalar_beta, bool):
             raise TypeError(f"{self.scalar_beta=} must be a bool")
-        if self.mode not in ("auto", "gpu", "interpret"):
-            raise ValueError(f"{self.mode=} must be 'auto', 'gpu' or 'interpret'")
-
-
-def _kernels(cfg: ChannelConfig):
-    """Context that makes the kernels traced inside it use the configured execution mode."""
-    return pk.use_mode(cfg.mode)
 
 
 def decay_last(G: jax.Array) -> jax.Array:
@@ -103,7 +92,7 @@ def kernel_beta(b: jax.Array) -> jax.Array:
 
 
 def _forward(cfg: ChannelConfig, q, k, v, G, b, w, h0):
-    with _kernels(cfg):
+    with cfg.kernels():
         icfg = ChannelIntraConfig(scalar_beta=cfg.scalar_beta)
         bk = kernel_beta(b) if cfg.scalar_beta else b
         qg, kg, wk, u, aqk = channel_intra(q, k, v, G, bk, w, icfg)
@@ -156,7 +145,7 @@ def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
 
     q, k, v, G, b, w, h0 = res
     do, dht = cts
-    with _kernels(cfg):
+    with cfg.kernels():
         return channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, scale=cfg.scale)
 
 
@@ -187,24 +176,6 @@ def _unsupported(q, v, chunk_size) -> str | None:
     if mode == "auto" and not pk.is_hopper():
         return "no Hopper GPU (and the Mosaic GPU interpreter was not requested)"
     return None
-
-
-def _lanes(xs, cu_seqlens, T: int, Tp: int):
-    """One zero-padded lane per batch row (dense) or per packed sequence: [N, Tp, ...] each."""
-    if cu_seqlens is None:
-        return [jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
-    cu = cu_seqlens.astype(jnp.int32)
-    t = jnp.arange(Tp, dtype=jnp.int32)
-    tok = cu[:-1, None] + t[None, :]  # [N, Tp]
-    valid = tok < cu[1:, None]
-    tok = jnp.where(valid, tok, 0)
-
-    def lane(x):
-        y = jnp.take(x[0], tok, axis=0)
-        m = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
-        return jnp.where(m, y, jnp.zeros((), x.dtype))
-
-    return [lane(x) for x in xs]
 
 
 def _cumsum(g: jax.Array) -> jax.Array:
@@ -285,7 +256,7 @@ def channel_pallas(
     else:
         Tp = -(-T // CHUNK) * CHUNK
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        xp = _lanes(xs, cu_seqlens, T, Tp)
+        xp = padded_lanes(xs, cu_seqlens, T, Tp)
         h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     qp, kp, vp, gp, bp = xp[:5]
     wp = None if scalar else xp[5]

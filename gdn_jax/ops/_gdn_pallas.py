@@ -36,34 +36,50 @@ from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig, chunk_bwd_dh
 from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 
-__all__ = ["gated_delta_rule_pallas", "PallasConfig"]
+__all__ = ["gated_delta_rule_pallas", "CoreConfig", "PallasConfig"]
 
 CHUNK = 64
 f32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasConfig:
-    """Static (non-differentiable) configuration of the core.
+class CoreConfig:
+    """Static (non-differentiable) configuration shared by the Pallas cores.
 
     Attributes:
       scale: query scale.
       mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
-      qat: optional QAT fake quantisation, fused into the kernels: w in the intra kernel, the
-        chunk-entering state in the chunk loop (forward and the backward's recomputation, so the
-        backward sees exactly the quantised values of the forward; gradients pass straight
-        through, as in the xla path).
     """
 
     scale: float
     mode: str = "auto"
-    qat: QATConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.scale, float):
             raise TypeError(f"{self.scale=} must be a Python float")
         if self.mode not in ("auto", "gpu", "interpret"):
             raise ValueError(f"{self.mode=} must be 'auto', 'gpu' or 'interpret'")
+
+    def kernels(self):
+        """Context that makes the kernels traced inside it use the configured execution mode."""
+        return pk.use_mode(self.mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasConfig(CoreConfig):
+    """Configuration of the GDN core: :class:`CoreConfig` plus
+
+    Attributes:
+      qat: optional QAT fake quantisation, fused into the kernels: w in the intra kernel, the
+        chunk-entering state in the chunk loop (forward and the backward's recomputation, so the
+        backward sees exactly the quantised values of the forward; gradients pass straight
+        through, as in the xla path).
+    """
+
+    qat: QATConfig | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
         if self.qat is not None and not isinstance(self.qat, QATConfig):
             raise TypeError(f"{self.qat=} must be a gdn_jax.qat.QATConfig or None")
 
@@ -85,11 +101,6 @@ class PallasConfig:
         return ChunkFwdConfig(scale=self.scale, block_v=block_v, state_quant=self.state_quant, **kw)
 
 
-def _kernels(cfg: PallasConfig):
-    """Context that makes the kernels traced inside it use the configured execution mode."""
-    return pk.use_mode(cfg.mode)
-
-
 # ---------------------------------------------------------------------------------------------
 # custom_vjp core on padded lanes: q, k [B, T, H, K]; v [B, T, HV, V]; G, beta [B, HV, T] f32;
 # h0 [B, HV, K, V] f32.  T % 64 == 0.  With ``meta`` ([T/64, 16] int32, packed sequences on one
@@ -97,7 +108,7 @@ def _kernels(cfg: PallasConfig):
 
 
 def _forward(cfg, q, k, v, G, beta, h0, meta):
-    with _kernels(cfg):
+    with cfg.kernels():
         w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
         o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]), meta)
     return o, ht
@@ -120,7 +131,7 @@ def _core_bwd(cfg, res, cts):
     nt = T // CHUNK
     dt = q.dtype
     scale = cfg.scale
-    with _kernels(cfg):
+    with cfg.kernels():
         # the same kernels and configs as the forward: w and h are the quantised values it used
         w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True, w_quant=cfg.w_quant))
         h, vn = chunk_fwd(None, k, w, u, G, h0, cfg.fwd_config(v.shape[-1], store_h=True), meta)
@@ -182,6 +193,30 @@ def _unsupported(q, v, chunk_size, qat=None) -> str | None:
     return None
 
 
+def padded_lanes(xs, cu_seqlens, T: int, Tp: int) -> list[jax.Array]:
+    """One zero-padded lane per batch row (dense) or per packed sequence: [N, Tp, ...] each.
+
+    Args:
+      xs: arrays [B, T, ...] (B == 1 with ``cu_seqlens``).
+      cu_seqlens: [N + 1] int32 or None.
+      T, Tp: tokens and the padded lane length (a multiple of 64, ≥ the longest sequence).
+    """
+    if cu_seqlens is None:
+        return [jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
+    cu = cu_seqlens.astype(jnp.int32)
+    t = jnp.arange(Tp, dtype=jnp.int32)
+    tok = cu[:-1, None] + t[None, :]  # [N, Tp]
+    valid = tok < cu[1:, None]
+    tok = jnp.where(valid, tok, 0)
+
+    def lane(x):
+        y = jnp.take(x[0], tok, axis=0)
+        m = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+        return jnp.where(m, y, jnp.zeros((), x.dtype))
+
+    return [lane(x) for x in xs]
+
+
 def gated_delta_rule_pallas(
     q: jax.Array,
     k: jax.Array,
@@ -229,26 +264,10 @@ def gated_delta_rule_pallas(
         o, ht = _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state)
         return o, (ht if output_final_state else None)
 
-    if cu_seqlens is None:
-        N = B
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-        qp, kp, vp, gp, bp = map(pad, (q, k, v, g, beta))
-    else:
-        # one lane per sequence: lane n holds tokens cu[n] .. cu[n+1]-1, then zero padding (costs
-        # N * T tokens of work; only where the single-lane kernels cannot serve: block_v = 128)
-        N = cu_seqlens.shape[0] - 1
-        cu = cu_seqlens.astype(jnp.int32)
-        t = jnp.arange(Tp, dtype=jnp.int32)
-        tok = cu[:-1, None] + t[None, :]  # [N, Tp]
-        valid = tok < cu[1:, None]
-        tok = jnp.where(valid, tok, 0)
-
-        def pad(x):
-            y = jnp.take(x[0], tok, axis=0)
-            m = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
-            return jnp.where(m, y, jnp.zeros((), x.dtype))
-
-        qp, kp, vp, gp, bp = map(pad, (q, k, v, g, beta))
+    # one zero-padded lane per batch row, or per sequence (costs N * T tokens of work; only where
+    # the single-lane kernels cannot serve: block_v = 128)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    qp, kp, vp, gp, bp = padded_lanes((q, k, v, g, beta), cu_seqlens, T, Tp)
 
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     Gp = jnp.cumsum(gp.astype(f32).reshape(N, Tp // CHUNK, CHUNK, HV), axis=2)
@@ -259,6 +278,7 @@ def gated_delta_rule_pallas(
     if cu_seqlens is None:
         o = o[:, :T]
     else:
+        cu = cu_seqlens.astype(jnp.int32)
         tt = jnp.arange(T, dtype=jnp.int32)
         seq = jnp.searchsorted(cu, tt, side="right").astype(jnp.int32) - 1
         o = o[seq, tt - cu[seq]][None]

@@ -17,36 +17,17 @@ The per-key-channel decay of dH is a row scaling of the tile. dv2 is written as 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import store_f32_tile
+from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig
 
 CHUNK = 64
 f32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class ChannelBwdDhConfig:
-    """Static configuration of :func:`channel_bwd_dh`.
-
-    Attributes:
-      scale: the output scale used in the forward.
-      block_v: V columns per CTA.
-    """
-
-    scale: float = 1.0
-    block_v: int = 64
-
-    def __post_init__(self):
-        if self.block_v not in (64, 128):
-            raise ValueError(f"{self.block_v=} must be 64 or 128")
-        if not isinstance(self.scale, float):
-            raise TypeError(f"{self.scale=} must be a Python float")
 
 
 def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0_g, *, cfg, nt):
@@ -115,13 +96,7 @@ def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0
         cp.smem((2, C, BV), dt),
     )
 
-    def final(st_s):
-        st_s[...] = dH
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_s, dh0_g.at[b, hv, :, cols])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(final, cp.smem((K, BV), f32))
+    store_f32_tile(dH, dh0_g.at[b, hv, :, cols])
 
 
 def channel_bwd_dh(
@@ -132,7 +107,7 @@ def channel_bwd_dh(
     aqk: jax.Array,
     decay_last: jax.Array,
     dht: jax.Array,
-    config: ChannelBwdDhConfig,
+    config: ChunkBwdDhConfig,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Reverse chunk loop of the channel-decay backward.
 
@@ -142,7 +117,7 @@ def channel_bwd_dh(
       aqk: [B, T, HV, 64] io dtype, the decayed causal intra-chunk product (unscaled).
       decay_last: [B, HV, T/64, K] f32, e^{G_last} per chunk and key channel.
       dht: [B, HV, K, V] f32 cotangent of the final state.
-      config: :class:`ChannelBwdDhConfig`.
+      config: :class:`ChunkBwdDhConfig`.
     Returns:
       dh [B, T/64, HV, K, V] (io dtype; gradient of the state at each chunk's end),
       dv2_hi, dv2_lo [B, T, HV, V] io dtype (dL/dv_new = hi + lo),

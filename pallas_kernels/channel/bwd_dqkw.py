@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import chunk_coords
 from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
@@ -35,13 +35,9 @@ def _dqkw_body(
     *, scale: float, group: int, sliced: bool,
 ):  # fmt: skip
     C = CHUNK
-    c = lax.axis_index("c")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
-    hk = hv // group
+    c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = q_g.shape[-1], vn_g.shape[-1]
     dt = q_g.dtype
-    rows = pl.ds(c * C, C)
 
     def scoped(q_s, k_s, g_s, gr_s, gl_s, h_s, vn_s, do_s, dvh_s, dvl_s, dp_s, x_s, out_s, bar):
         srcs = (

@@ -24,10 +24,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import chunk_coords
 from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
@@ -61,13 +61,9 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         dk_g, dv_g, dg_g, db_g, dwg_g = refs[11:]
         be_g = None
     C = CHUNK
-    c = lax.axis_index("c")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
-    hk = hv // group
+    c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = k_g.shape[-1], v_g.shape[-1]
     dt = k_g.dtype
-    rows = pl.ds(c * C, C)
 
     def scoped(k_s, v_s, g_s, gr_s, gl_s, gate_s, a_s, dw_s, duh_s, dul_s, x_s, m_s, st_s,
                vec_s, bar):  # fmt: skip

@@ -26,6 +26,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import store_f32_tile
 
 CHUNK = 64
 f32 = jnp.float32
@@ -136,14 +137,7 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
         cp.smem((2, C, BV), dt),
     )
     if not store_h:
-
-        def final(st_s):
-            st_s[...] = S
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st_s, ht_g.at[b, hv, :, cols])
-            plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(final, cp.smem((K, BV), f32))
+        store_f32_tile(S, ht_g.at[b, hv, :, cols])
 
 
 def channel_chunk_fwd(

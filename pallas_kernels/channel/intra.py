@@ -38,6 +38,7 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import chunk_coords
 
 CHUNK = 64
 SUB = 16  # rows per sub-chunk of the decay factoring
@@ -77,13 +78,10 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
     qg_g, kg_g, w_g, u_g, aqk_g = outs[:5]
     a_g = outs[5] if cfg.store_a else None
     C = CHUNK
-    c = lax.axis_index("c")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
-    hk = hv // group  # GVA: value head hv reads q/k head hv // (HV // H)
+    # GVA: value head hv reads q/k head hk = hv // (HV // H)
+    c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = k_g.shape[-1], v_g.shape[-1]
     dt = k_g.dtype
-    rows = pl.ds(c * C, C)
     scalar = cfg.scalar_beta
 
     def scoped(q_s, k_s, v_s, G_s, gr_s, gl_s, gate_s, a_s, a2_s, c_s, x_s, oy_s, aqk_s, bar):

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import chunk_coords
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 CHUNK = 64
@@ -43,13 +43,9 @@ def _dqkw_body(
     *, scale: float, group: int,
 ):  # fmt: skip
     C = CHUNK
-    c = lax.axis_index("c")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
-    hk = hv // group
+    c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = q_g.shape[-1], vn_g.shape[-1]
     dt = q_g.dtype
-    rows = pl.ds(c * C, C)
     # f16 io: h and dh arrive in f32 and are staged as f16 with one scale per row (DESIGN §3)
     scaled = dt == jnp.float16
     nkb = K // C

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import chunk_coords
 
 CHUNK = 64
 f32 = jnp.float32
@@ -32,13 +32,9 @@ def _wy_body(
     *, group: int,
 ):  # fmt: skip
     C = CHUNK
-    c = lax.axis_index("c")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
-    hk = hv // group
+    c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = k_g.shape[-1], v_g.shape[-1]
     dt = k_g.dtype
-    rows = pl.ds(c * C, C)
 
     def scoped(k_s, v_s, a_s, g_s, be_s, dw_s, dvf_s, dvh_s, dvl_s, kbg_s, vb_s, m_s, d_s, as_s,
                vec_s, bar, *dk_tile):  # fmt: skip

@@ -22,6 +22,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import store_f32_tile
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 CHUNK = 64
@@ -185,13 +186,7 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
     if packed:
         return
 
-    def final(st_s):
-        st_s[...] = dH
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_s, dh0_g.at[b, hv, :, cols])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(final, cp.smem((K, BV), f32))
+    store_f32_tile(dH, dh0_g.at[b, hv, :, cols])
 
 
 def chunk_bwd_dh(

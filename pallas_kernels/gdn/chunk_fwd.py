@@ -24,6 +24,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import store_f32_tile
 from pallas_kernels.gdn.fake_quant import f16_stage_scales, fake_quant_e4m3
 
 CHUNK = 64
@@ -210,14 +211,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
         bufs += (cp.smem((K, BV), f32), plgpu.Barrier())  # h0 / final state staging
     S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), *bufs)
     if not store_h and not packed:
-
-        def final(st_s):
-            st_s[...] = S
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st_s, ht_g.at[b, hv, :, cols])
-            plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(final, cp.smem((K, BV), f32))
+        store_f32_tile(S, ht_g.at[b, hv, :, cols])
 
 
 def chunk_fwd(

@@ -23,6 +23,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import chunk_coords
 from pallas_kernels.gdn.fake_quant import fake_quant_e4m3
 
 CHUNK = 64
@@ -54,13 +55,10 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: s
     w_g, u_g = outs[0], outs[1]
     a_g = outs[2] if store_a else None
     C = CHUNK
-    c = lax.axis_index("c")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
-    hk = hv // group  # GVA: value head hv reads q/k head hv // (HV // H)
+    # GVA: value head hv reads q/k head hk = hv // (HV // H)
+    c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = k_g.shape[-1], v_g.shape[-1]
     dt = k_g.dtype
-    rows = pl.ds(c * C, C)
 
     def scoped(k_s, v_s, g_s, be_s, x_s, oy_s, w_s, u_s, bar):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, hk, :], k_s, bar.at[0])

@@ -13,10 +13,9 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from channel_cases import NAMES, channel_case, check_2x, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT, positional
+from channel_cases import NAMES, channel_case, check_2x, pallas_op
+from gdn_cases import RECURRENT, positional, run_interpreted
 
 import gdn_jax
 from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS, channel_pallas
@@ -25,14 +24,6 @@ from pallas_kernels import _compat as pk
 
 # every forward kernel must appear as a Mosaic GPU custom call in the lowered fwd+bwd
 KERNELS = ("chan_intra", "chan_chunk_fwd")
-
-
-def _interpret(fn):
-    with pk.use_mode("interpret"):
-        try:
-            return fn()
-        finally:
-            pk.reset_interpreter()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -48,39 +39,9 @@ def _interpret(fn):
 )
 def test_interpret_forward_and_grads(variant, B, T, H, HV, cu):
     x, cu, cts = channel_case(0, variant, B, T, H, HV, 64, 64, cu)
-    _interpret(lambda: check_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16, jit=False))
-
-
-def _packed_one_lane(variant, T, H, HV, cu, K, seed=0):
-    """Packed sequences without initial/final states: one lane, state wiped at every start.
-    Checks o and every input gradient with the 2x rule."""
-    x = random_inputs(seed, B=1, T=T, H=H, HV=HV, K=K, V=K, variant=variant)
-    cu = jnp.asarray(cu, jnp.int32)
-    do = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x["v"].shape), jnp.float32)
-    args = positional(x, variant)
-    kw = dict(cu_seqlens=cu, use_qk_l2norm=True)
-
-    def run(fn, dt):
-        def loss(*a):
-            o, s = fn(*a, **kw)
-            assert s is None
-            return jnp.sum(o.astype(jnp.float32) * do), o
-
-        a = tuple(t.astype(dt) for t in args[:3]) + tuple(args[3:])
-        (_, o), grads = jax.value_and_grad(loss, argnums=range(len(a)), has_aux=True)(*a)
-        return (o, *grads)
-
-    ref32 = run(RECURRENT[variant], jnp.float32)
-    ref_lo = run(RECURRENT[variant], jnp.bfloat16)
-    got = run(pallas_op(variant), jnp.bfloat16)
-    names = [n for n in NAMES[variant] if n not in ("final_state", "dh0")]
-    for name, a, b, r in zip(names, got, ref_lo, ref32, strict=True):
-        err, budget = rel_rms(a, r), rel_rms(b, r)
-        assert err <= 2 * budget + 1e-5, (name, err, budget)
-
-
-def test_interpret_packed_one_lane():
-    _interpret(lambda: _packed_one_lane("gdn2", 150, 1, 2, [0, 30, 30, 100, 150], 64))
+    run_interpreted(
+        lambda: check_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16, jit=False)
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,20 +226,3 @@ def test_gpu_kda_with_scalar_gate_is_gdn():
     ref, rs = RECURRENT["gdn"](*args32, **kw)
     ref_lo, rs_lo = RECURRENT["gdn"](q, k, v, x["g"], x["beta"], **kw)
     _reduction_check([("o", ok, og, ref, ref_lo), ("final_state", sk, sg, rs, rs_lo)])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gdn2", "kda"])
-def test_gpu_packed_one_lane(variant):
-    cu = [0, 1000, 1000, 2500, 2501, 8192]  # with an empty and a one-token sequence
-    _packed_one_lane(variant, 8192, 16, 32, cu, 128, seed=3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gdn2", "kda"])
-def test_gpu_deterministic(variant):
-    x, cu, cts = channel_case(11, variant, 2, 4096, 16, 16, 128, 128)
-    a = loss_and_grads(pallas_op(variant), variant, x, cu, jnp.bfloat16, cts)
-    b = loss_and_grads(pallas_op(variant), variant, x, cu, jnp.bfloat16, cts)
-    for name, u, w in zip(NAMES[variant], a, b, strict=True):
-        assert np.array_equal(np.asarray(u), np.asarray(w)), name

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from channel_cases import NAMES, channel_case, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT
+from gdn_cases import RECURRENT, run_interpreted
 
 from gdn_jax.ops import _channel_pallas as cpm
 from gdn_jax.ops._channel_pallas_bwd import channel_backward_pallas
@@ -31,14 +31,6 @@ from pallas_kernels import _compat as pk
 BWD_KERNELS = ("chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy", "chan_intra", "chan_chunk_h")
 CORE_NAMES = ("dq", "dk", "dv", "dG", "db", "dw", "dh0")
 f32 = jnp.float32
-
-
-def _interpret(fn):
-    with pk.use_mode("interpret"):
-        try:
-            return fn()
-        finally:
-            pk.reset_interpreter()
 
 
 def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0):
@@ -134,7 +126,7 @@ def test_interpret_core_grads(variant, sliced):
     """All five backward launches against the xla core's VJP (GVA, initial state, 2 chunks)."""
     with pk.use_mode("interpret"):
         cfg, res, cts = core_case(0, variant, 1, 128, 1, 2, 64)
-    _interpret(lambda: check_core(cfg, res, cts, jit=False, sliced=sliced))
+    run_interpreted(lambda: check_core(cfg, res, cts, jit=False, sliced=sliced))
 
 
 @pytest.mark.parametrize(
@@ -146,7 +138,7 @@ def test_interpret_core_grads(variant, sliced):
 )
 def test_interpret_op_grads(variant, B, T, H, HV, cu):
     x, cu, cts = channel_case(0, variant, B, T, H, HV, 64, 64, cu)
-    _interpret(lambda: check_op(variant, x, cu, cts, jit=False))
+    run_interpreted(lambda: check_op(variant, x, cu, cts, jit=False))
 
 
 def check_one_lane(variant, T, H, HV, cu, K, seed=0, jit=True):
@@ -186,8 +178,10 @@ def check_one_lane(variant, T, H, HV, cu, K, seed=0, jit=True):
     assert not bad, (bad, "; ".join(report))
 
 
-def test_interpret_packed_one_lane():
-    _interpret(lambda: check_one_lane("kda", 150, 1, 2, [0, 30, 30, 100, 150], 64, jit=False))
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_interpret_packed_one_lane(variant):
+    cu = [0, 30, 30, 100, 150]
+    run_interpreted(lambda: check_one_lane(variant, 150, 1, 2, cu, 64, jit=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -329,13 +323,14 @@ def _rep(x, HV):  # GVA: q/k heads repeated to the value heads
 
 def _kernel_outputs(x, scale, sliced):
     """bwd_dh, then bwd_dqkw on its dh/dv2, then bwd_wy on their dw/dv2."""
-    from pallas_kernels.channel.bwd_dh import ChannelBwdDhConfig, channel_bwd_dh
+    from pallas_kernels.channel.bwd_dh import channel_bwd_dh
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
     from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
+    from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig
 
     dh, dvh, dvl, dh0 = channel_bwd_dh(
         x["qg"], x["kg"], x["wk"], x["do"], x["aqk"], jnp.exp(x["gl"]), x["dht"],
-        ChannelBwdDhConfig(scale=scale),
+        ChunkBwdDhConfig(scale=scale),
     )  # fmt: skip
     dq, dk, dwk, dG = channel_bwd_dqkw(
         x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], dh, x["vn"], x["do"], dvh, dvl,
@@ -449,8 +444,8 @@ def check_kernels(x, *, tol=2e-2, sliced=False, jit=True):
 @pytest.mark.parametrize("variant", ["gdn2", "kda"])
 def test_interpret_kernels(variant):
     with pk.use_mode("interpret"):
-        x = _interpret(lambda: _kernel_inputs(1, variant, 1, 128, 1, 2, 64))
-        _interpret(lambda: check_kernels(x, sliced=variant == "kda", jit=False))
+        x = run_interpreted(lambda: _kernel_inputs(1, variant, 1, 128, 1, 2, 64))
+        run_interpreted(lambda: check_kernels(x, sliced=variant == "kda", jit=False))
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gdn_cases import run_interpreted
 
 import gdn_jax
 from gdn_jax.ops._step_pallas import step_pallas
@@ -60,14 +61,6 @@ def _check(variant, args, state, *, tight: bool, jit: bool = False):
     return got
 
 
-def _interpret(fn, *a, **kw):
-    with pk.use_mode("interpret"):
-        try:
-            return fn(*a, **kw)
-        finally:
-            pk.reset_interpreter()
-
-
 # ------------------------------------------------------------------------------------------------
 # CPU: Mosaic GPU interpreter (tiny shapes: B=2, H=2, HV=4 (GVA), K=V=64)
 
@@ -76,7 +69,7 @@ def _interpret(fn, *a, **kw):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_interpret_matches_recurrence(variant, T):
     args, state = _inputs(variant, 0, B=2, T=T, H=2, HV=4, D=64)
-    _interpret(_check, variant, args, state, tight=True)
+    run_interpreted(_check, variant, args, state, tight=True)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -87,21 +80,21 @@ def test_interpret_extreme_gates(variant):
         a = list(args)
         a[3] = jnp.full_like(a[3], g_val)
         a[4:] = [jnp.full_like(x, b_val) for x in a[4:]]
-        o, s = _interpret(_check, variant, tuple(a), state, tight=True)
+        o, s = run_interpreted(_check, variant, tuple(a), state, tight=True)
         assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32)))) and bool(jnp.all(jnp.isfinite(s)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_interpret_other_dtypes(dtype):
     args, state = _inputs("kda", 2, B=2, T=1, H=4, HV=4, D=64, dtype=dtype)
-    _interpret(_check, "kda", args, state, tight=True)
+    run_interpreted(_check, "kda", args, state, tight=True)
 
 
 def test_interpret_no_l2norm_and_scale():
     args, state = _inputs("gdn2", 3, B=2, T=2, H=1, HV=4, D=64)
     kw = dict(scale=0.3, use_qk_l2norm=False)
     ref = STEPS["gdn2"](*upcast(args), state, implementation="xla", **kw)
-    got = _interpret(STEPS["gdn2"], *args, state, implementation="pallas", **kw)
+    got = run_interpreted(STEPS["gdn2"], *args, state, implementation="pallas", **kw)
     assert rel_rms(got[1], ref[1]) <= 1e-5
     assert rel_rms(got[0], ref[0]) <= 1e-2
 
@@ -121,7 +114,7 @@ def test_interpret_donated_state_is_consumed():
     assert rel_rms(s, ref[1]) <= 1e-5
 
 
-def test_prefill_then_decode_interpret():
+def test_prefill_then_decoderun_interpreted():
     """Packed prefill (cu_seqlens) then two Pallas decode steps == the whole sequences at once."""
     N, P, D, H, HV = 2, (5, 9), 64, 2, 4
     steps = 2
@@ -134,7 +127,7 @@ def test_prefill_then_decode_interpret():
     outs = []
     for t in range(steps):  # token P[i] + t of every sequence
         tok = [jnp.stack([x[n][i, P[i] + t] for i in range(N)])[:, None] for n in names]
-        o, state = _interpret(
+        o, state = run_interpreted(
             gdn_jax.gated_delta_rule_step, *tok, state, use_qk_l2norm=True,
             implementation="pallas",
         )  # fmt: skip
