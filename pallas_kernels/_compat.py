@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import core as _mgpu_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.interpreters import mlir
 
 __all__ = [
     "pl",
@@ -154,6 +156,39 @@ def kernel(
         return outs[0] if single else outs
 
     return call
+
+
+_DUMP_BASENAME = "mosaic_gpu.dump_basename"
+
+
+def _install_stable_kernel_modules() -> None:
+    """Makes identical kernels lower to byte-identical modules, so Mosaic GPU compiles each once.
+
+    Mosaic GPU compiles a kernel when XLA instantiates its custom call and caches the result per
+    process, keyed by the SHA-256 of the serialized module. jax 0.11.2 stamps every lowered module
+    with ``mosaic_gpu.dump_basename = "<kernel>_<n>"``, ``n`` a per-process lowering counter that
+    only names debug dump files. So every call site hashed differently and was compiled again:
+    on the H200 a model step compiled each GDN layer's 7 kernels anew (~10 s per layer, see
+    benchmarks/RESULTS.md). Before the module is hashed, the attribute is reset to the kernel's
+    symbol name; nothing else reads it.
+    """
+    original = _mgpu_core._mosaic_gpu_lowering_rule
+    if getattr(original, "stable_kernel_modules", False):
+        return
+
+    def rule(ctx, *args, module, **kwargs):
+        attrs = module.operation.attributes
+        if _DUMP_BASENAME in attrs and "sym_name" in attrs:
+            attrs[_DUMP_BASENAME] = attrs["sym_name"]
+        return original(ctx, *args, module=module, **kwargs)
+
+    rule.stable_kernel_modules = True
+    # Pallas calls the rule through the module attribute; plain Mosaic GPU through the registry.
+    _mgpu_core._mosaic_gpu_lowering_rule = rule
+    mlir.register_lowering(_mgpu_core.mosaic_gpu_p, rule, "cuda")
+
+
+_install_stable_kernel_modules()
 
 
 def transforms_for(cols: int, dtype) -> tuple:

@@ -91,6 +91,11 @@ def kernel_beta(b: jax.Array) -> jax.Array:
 # custom_vjp core on padded lanes (shapes in the module docstring)
 
 
+# Kernel launches jitted with the config static: one trace and lowering per distinct layer shape
+# (as in gdn_jax.ops._gdn_pallas).
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def _forward(cfg: ChannelConfig, q, k, v, G, b, w, h0):
     with cfg.kernels():
         icfg = ChannelIntraConfig(scalar_beta=cfg.scalar_beta)
@@ -129,6 +134,7 @@ def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
     return o.reshape(N, Tp, HV, V), ht
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
     """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0)`` (structure of ``res``).
 

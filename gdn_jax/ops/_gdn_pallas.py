@@ -33,7 +33,7 @@ from pallas_kernels import _compat as pk
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
 from pallas_kernels.gdn.bwd_wy import bwd_wy
 from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig, chunk_bwd_dh
-from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
+from pallas_kernels.gdn.chunk_fwd import META_COLS, ChunkFwdConfig, chunk_fwd
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 
 __all__ = ["gated_delta_rule_pallas", "CoreConfig", "PallasConfig"]
@@ -103,10 +103,16 @@ class PallasConfig(CoreConfig):
 
 # ---------------------------------------------------------------------------------------------
 # custom_vjp core on padded lanes: q, k [B, T, H, K]; v [B, T, HV, V]; G, beta [B, HV, T] f32;
-# h0 [B, HV, K, V] f32.  T % 64 == 0.  With ``meta`` ([T/64, 16] int32, packed sequences on one
-# lane, B == 1) h0 and the final state are [N, HV, K, V], set/written per sequence in-kernel.
+# h0 [B, HV, K, V] f32.  T % 64 == 0.  With ``meta`` ([T/64, META_COLS] int32, packed sequences
+# on one lane, B == 1) h0 and the final state are [N, HV, K, V], set/written per sequence in-kernel.
 
 
+# The kernel launches of the forward and the backward are jitted with the config static, so the
+# GDN layers of a model share one trace and one lowering of each kernel (and, the modules being
+# identical, one Mosaic GPU compile: see pallas_kernels._compat._install_stable_kernel_modules).
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def _forward(cfg, q, k, v, G, beta, h0, meta):
     with cfg.kernels():
         w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
@@ -120,6 +126,7 @@ def _core_fwd(cfg, q, k, v, G, beta, h0, meta):
     return (o, ht), (q, k, v, G, beta, h0, meta)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _core_bwd(cfg, res, cts):
     # five launches: recompute (A, w, u), recompute (h, v_new), reverse dh loop with dv2,
     # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces
@@ -334,7 +341,7 @@ def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):
     Gp = Gp.reshape(1, rows, HV).transpose(0, 2, 1)
     bp = bp.astype(f32).transpose(0, 2, 1)
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    meta = jnp.full((nc, 16), -1, jnp.int32)
+    meta = jnp.full((nc, META_COLS), -1, jnp.int32)
     meta = meta.at[:, 0].set(jnp.where(layout.first[0], layout.seq[0], -1))
     meta = meta.at[:, 1].set(jnp.where(layout.last[0], layout.seq[0], -1))
     o, ht = _core(cfg, qp, kp, vp, Gp, bp, h0, meta)

@@ -23,6 +23,7 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import store_f32_tile
+from pallas_kernels.gdn.chunk_fwd import META_COLS, check_meta
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 CHUNK = 64
@@ -50,7 +51,7 @@ class ChunkBwdDhConfig:
 
 def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
     q_g, k_g, w_g, do_g, g_g, dht_g = refs[:6]
-    m_g = refs[6] if packed else None  # [NT, 16] int32 per-chunk (reset, final) sequence ids
+    m_g = refs[6] if packed else None  # [NT, META_COLS] int32 per-chunk (reset, final) ids
     dh_g, dv2_g, dh0_g = refs[-3:]
     C, BV = CHUNK, cfg.block_v
     iv = lax.axis_index("v")
@@ -162,7 +163,7 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
         ]
         ins = (q_g, k_g, w_g, do_g, g_g, g_g)
         if packed:
-            specs.append(cp.block_spec((None, 16), lambda i: (rev(i), 0)))  # (reset, final) ids
+            specs.append(cp.block_spec((None, META_COLS), lambda i: (rev(i), 0)))  # (reset, final)
             ins += (m_g,)
         dH = plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=dH0
@@ -207,7 +208,7 @@ def chunk_bwd_dh(
       dht: [B, HV, K, V] f32 cotangent of the final state ([N, HV, K, V] with ``meta``).
       config: :class:`ChunkBwdDhConfig`.
       meta: packed sequences on one lane (B == 1), as for
-        :func:`pallas_kernels.gdn.chunk_fwd.chunk_fwd`: [T/64, 16] int32 (reset, final) ids.
+        :func:`pallas_kernels.gdn.chunk_fwd.chunk_fwd`: [T/64, META_COLS] int32 (reset, final) ids.
     Returns:
       dh [B, T/64, HV, K, V] (io dtype, f32 for f16 io; gradient of the state at each chunk's end),
       dv2 [B, T, HV, V] f32 (gradient of v_new; f32: dβ is sensitive to its rounding),
@@ -220,8 +221,7 @@ def chunk_bwd_dh(
         raise ValueError(f"{k.shape=} {do.shape=}: T % 64 and V % block_v must be 0")
     nt = T // CHUNK
     packed = meta is not None
-    if packed and (B != 1 or meta.shape != (nt, 16) or meta.dtype != jnp.int32):
-        raise ValueError(f"{k.shape=} {meta.shape=} {meta.dtype=}: meta must be [T/64, 16] int32")
+    check_meta(meta, B, nt)
     out_type = (
         jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if k.dtype == jnp.float16 else k.dtype),
         jax.ShapeDtypeStruct((B, T, HV, V), f32),

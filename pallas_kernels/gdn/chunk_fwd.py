@@ -60,12 +60,27 @@ class ChunkFwdConfig:
             raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
 
 
+# Columns of the per-chunk table of packed sequences (column 0: the sequence whose first chunk
+# this is, column 1: whose last chunk, else -1). The pipeline stages the rows in back-to-back SMEM
+# slots, and every TMA destination must be 128-byte aligned: a 16-column (64-byte) row faulted on
+# the H200 with CUDA_ERROR_MISALIGNED_ADDRESS, so a row is 32 int32.
+META_COLS = 32
+
+
+def check_meta(meta: jax.Array | None, B: int, nt: int) -> None:
+    """Raises ValueError unless ``meta`` is None or a [nt, META_COLS] int32 table with B == 1."""
+    if meta is not None and (B != 1 or meta.shape != (nt, META_COLS) or meta.dtype != jnp.int32):
+        raise ValueError(
+            f"{B=} {meta.shape=} {meta.dtype=}: meta must be [T/64, {META_COLS}] int32 with B == 1"
+        )
+
+
 def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
     C, BV = CHUNK, cfg.block_v
     refs = list(refs)
     q_g = None if cfg.store_h else refs.pop(0)
     k_g, w_g, u_g, g_g, h0_g = refs[:5]
-    m_g = refs[5] if packed else None  # [NT, 16] int32 per-chunk (reset, final) sequence ids
+    m_g = refs[5] if packed else None  # [NT, META_COLS] int32 per-chunk (reset, final) ids
     if cfg.store_h:
         h_g, vn_g = refs[-2:]
     else:
@@ -192,7 +207,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
         ]
         ins = (k_g, w_g, u_g, g_g) if store_h else (q_g, k_g, w_g, u_g, g_g)
         if packed:
-            specs.append(cp.block_spec((None, 16), lambda c: (c, 0)))  # (reset, final) ids
+            specs.append(cp.block_spec((None, META_COLS), lambda c: (c, 0)))  # (reset, final) ids
             ins += (m_g,)
         S = plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=S0
@@ -232,9 +247,9 @@ def chunk_fwd(
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
       h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``).
       config: :class:`ChunkFwdConfig`.
-      meta: packed sequences on one lane (B == 1): [T/64, 16] int32, column 0 the sequence whose
-        first chunk this is (its state is set to h0[that]) or -1, column 1 the sequence whose
-        last chunk this is (its end state is written to final[that]) or -1.
+      meta: packed sequences on one lane (B == 1): [T/64, META_COLS] int32, column 0 the
+        sequence whose first chunk this is (its state is set to h0[that]) or -1, column 1 the
+        sequence whose last chunk this is (its end state is written to final[that]) or -1.
     Returns:
       Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
       ``meta``, rows of sequences without chunks unwritten).
@@ -254,8 +269,7 @@ def chunk_fwd(
         )
     nt = T // CHUNK
     packed = meta is not None
-    if packed and (B != 1 or meta.shape != (nt, 16) or meta.dtype != jnp.int32):
-        raise ValueError(f"{k.shape=} {meta.shape=} {meta.dtype=}: meta must be [T/64, 16] int32")
+    check_meta(meta, B, nt)
     if packed and config.block_v == 128:
         raise NotImplementedError("packed states with block_v=128: no SMEM for the state staging")
     if config.store_h:
