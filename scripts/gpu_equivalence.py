@@ -211,7 +211,28 @@ def first_step_diff(a: dict, b: dict) -> tuple[float, float]:
     return rel_loss, float(np.linalg.norm(ga - gb) / max(np.linalg.norm(ga), 1e-30))
 
 
+# Bitwise comparisons of separately compiled programs on a GPU need XLA to choose the same GEMM
+# algorithms (no autotuning), deterministic reductions, and BF16 rounding where the program says
+# (with excess precision a fusion may keep f32 intermediates, so rounding follows fusion choices).
+BITWISE_XLA_FLAGS = (
+    "--xla_gpu_deterministic_ops=true",
+    "--xla_gpu_autotune_level=0",
+    "--xla_allow_excess_precision=false",
+)
+
+
+def _add_bitwise_xla_flags() -> None:
+    """Adds each of :data:`BITWISE_XLA_FLAGS` that ``XLA_FLAGS`` does not set (before JAX starts
+    its backends, which read the variable once)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in BITWISE_XLA_FLAGS:
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
+
+
 def main(argv=None) -> int:
+    _add_bitwise_xla_flags()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3_5_0_8b")
     p.add_argument("--layers", type=int, default=None)
