@@ -5,6 +5,12 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # pytest -n N on the GPU: the workers share it (the GPU tests spend most of their time in
+    # their host-CPU references), so none may preallocate 75 % of its memory
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / workers:.2f}")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
