@@ -48,8 +48,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
 from gdn_jax.ops import _xla
-from gdn_jax.ops._gdn_pallas import CoreConfig, padded_lanes
-from gdn_jax.reference._common import chunk_layout, from_chunks, l2norm, to_chunks
+from gdn_jax.ops._gdn_pallas import (
+    CoreConfig,
+    from_one_lane,
+    from_padded_lanes,
+    one_lane,
+    padded_lanes,
+    wipe_first_tokens,
+)
+from gdn_jax.reference._common import chunk_layout, l2norm
 from pallas_kernels import _compat as pk
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
 from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
@@ -194,11 +201,6 @@ def _cumsum(g: jax.Array) -> jax.Array:
 # smallest per-token log-decay the kernels see (see channel_pallas)
 MIN_LOG_DECAY = -10.0
 
-# log-decay added to the first token of every packed sequence on the single lane: e^{-200}
-# underflows to 0 in f32, so the carried state is wiped; the gate differences inside the chunk
-# (all the kernels use besides e^{G}) are unchanged
-_WIPE = -200.0
-
 
 def channel_pallas(
     q: jax.Array,
@@ -249,15 +251,10 @@ def channel_pallas(
         q, k = l2norm(q), l2norm(k)
     xs = [q, k, v, g, b] + ([] if scalar else [w])
 
-    if cu_seqlens is not None and initial_state is None and not output_final_state:
-        # all sequences back to back on one lane, each starting at a chunk boundary
-        layout = chunk_layout(1, T, CHUNK, cu_seqlens)
-        nc = layout.token.shape[1]
-        rows = nc * CHUNK
-        lane = lambda x: to_chunks(x, layout).reshape((1, rows) + x.shape[2:])
-        xp = [lane(x) for x in xs]
-        first = jnp.zeros((nc, CHUNK), f32).at[:, 0].set(jnp.where(layout.first[0], _WIPE, 0.0))
-        xp[3] = xp[3] + first.reshape(1, rows, 1, 1)
+    one = cu_seqlens is not None and initial_state is None and not output_final_state
+    if one:  # all sequences back to back on one lane, the state wiped at each one's start
+        xp, layout = one_lane(xs, cu_seqlens, T)
+        xp[3] = wipe_first_tokens(xp[3], layout)
         h0 = jnp.zeros((1, HV, K, V), f32)
     else:
         Tp = -(-T // CHUNK) * CHUNK
@@ -268,15 +265,7 @@ def channel_pallas(
     wp = None if scalar else xp[5]
     o, ht = _core(cfg, qp, kp, vp, _cumsum(gp), bp, wp, h0)
 
-    if cu_seqlens is None:
-        o = o[:, :T]
-    elif initial_state is None and not output_final_state:
-        o = from_chunks(o.reshape((1, -1, CHUNK) + o.shape[2:]), layout, 1, T)
-    else:
-        cu = cu_seqlens.astype(jnp.int32)
-        tt = jnp.arange(T, dtype=jnp.int32)
-        seq = jnp.searchsorted(cu, tt, side="right").astype(jnp.int32) - 1
-        o = o[seq, tt - cu[seq]][None]
+    o = from_one_lane(o, layout, T) if one else from_padded_lanes(o, cu_seqlens, T)
     return o.astype(v.dtype), (ht if output_final_state else None)
 
 

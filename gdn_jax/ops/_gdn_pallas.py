@@ -28,7 +28,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
 from gdn_jax.qat import QATConfig
-from gdn_jax.reference._common import chunk_layout, from_chunks, l2norm, to_chunks
+from gdn_jax.reference._common import (
+    ChunkLayout,
+    chunk_layout,
+    from_chunks,
+    l2norm,
+    to_chunks,
+)
 from pallas_kernels import _compat as pk
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
 from pallas_kernels.gdn.bwd_wy import bwd_wy
@@ -224,6 +230,51 @@ def padded_lanes(xs, cu_seqlens, T: int, Tp: int) -> list[jax.Array]:
     return [lane(x) for x in xs]
 
 
+def from_padded_lanes(o: jax.Array, cu_seqlens: jax.Array | None, T: int) -> jax.Array:
+    """Inverse of :func:`padded_lanes` for an output [N, Tp, ...]: [B, T, ...] (B == 1 packed)."""
+    if cu_seqlens is None:
+        return o[:, :T]
+    cu = cu_seqlens.astype(jnp.int32)
+    tt = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu, tt, side="right").astype(jnp.int32) - 1
+    return o[seq, tt - cu[seq]][None]
+
+
+# log-decay given to the first token of every packed sequence on one lane: e^{-200} underflows to
+# 0 in f32, so the carried state is wiped, while differences G_i - G_j inside the chunk (all the
+# kernels use besides e^{G}) keep ~1e-5 accuracy
+WIPE_LOG_DECAY = -200.0
+
+
+def one_lane(xs, cu_seqlens: jax.Array, T: int) -> tuple[list[jax.Array], ChunkLayout]:
+    """Packed sequences back to back on one lane, each starting at a chunk boundary.
+
+    Args:
+      xs: arrays [1, T, ...].
+      cu_seqlens: [N + 1] int32.
+      T: tokens.
+    Returns:
+      ([1, rows, ...] per array, rows = 64 × chunks ≤ T + 64 N; padding rows zero), and the
+      layout (:func:`from_one_lane` inverts it; ``layout.first`` marks each sequence's first chunk).
+    """
+    layout = chunk_layout(1, T, CHUNK, cu_seqlens)
+    rows = layout.token.shape[1] * CHUNK
+    return [to_chunks(x, layout).reshape((1, rows) + x.shape[2:]) for x in xs], layout
+
+
+def wipe_first_tokens(g: jax.Array, layout: ChunkLayout) -> jax.Array:
+    """Per-token log-decay on one lane [1, rows, ...] f32, plus :data:`WIPE_LOG_DECAY` on the
+    first token of every sequence (so the state carried in from the previous one is zero)."""
+    nc = layout.token.shape[1]
+    wipe = jnp.zeros((nc, CHUNK), f32).at[:, 0].set(jnp.where(layout.first[0], WIPE_LOG_DECAY, 0.0))
+    return g.astype(f32) + wipe.reshape((1, nc * CHUNK) + (1,) * (g.ndim - 2))
+
+
+def from_one_lane(o: jax.Array, layout: ChunkLayout, T: int) -> jax.Array:
+    """Inverse of :func:`one_lane` for an output [1, rows, ...]: [1, T, ...]."""
+    return from_chunks(o.reshape((1, -1, CHUNK) + o.shape[2:]), layout, 1, T)
+
+
 def gated_delta_rule_pallas(
     q: jax.Array,
     k: jax.Array,
@@ -277,24 +328,18 @@ def gated_delta_rule_pallas(
     qp, kp, vp, gp, bp = padded_lanes((q, k, v, g, beta), cu_seqlens, T, Tp)
 
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    Gp = jnp.cumsum(gp.astype(f32).reshape(N, Tp // CHUNK, CHUNK, HV), axis=2)
-    Gp = Gp.reshape(N, Tp, HV).transpose(0, 2, 1)
-    bp = bp.astype(f32).transpose(0, 2, 1)
+    Gp, bp = _kernel_gates(gp, bp)
     o, ht = _core(cfg, qp, kp, vp, Gp, bp, h0)
-
-    if cu_seqlens is None:
-        o = o[:, :T]
-    else:
-        cu = cu_seqlens.astype(jnp.int32)
-        tt = jnp.arange(T, dtype=jnp.int32)
-        seq = jnp.searchsorted(cu, tt, side="right").astype(jnp.int32) - 1
-        o = o[seq, tt - cu[seq]][None]
+    o = from_padded_lanes(o, cu_seqlens, T)
     return o.astype(v.dtype), (ht if output_final_state else None)
 
 
-# log-decay given to the first token of every packed sequence: e^{-200} underflows to 0 in f32,
-# so the carried state is wiped, while differences G_i - G_j inside the chunk keep ~1e-5 accuracy
-_WIPE = -200.0
+def _kernel_gates(g: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Lane gates [N, rows, HV] (rows % 64 == 0) as the kernels read them: the chunk-local
+    cumulative log-decay G and β, both [N, HV, rows] f32."""
+    N, rows, HV = g.shape
+    G = jnp.cumsum(g.astype(f32).reshape(N, rows // CHUNK, CHUNK, HV), axis=2)
+    return G.reshape(N, rows, HV).transpose(0, 2, 1), beta.astype(f32).transpose(0, 2, 1)
 
 
 def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens):
@@ -307,18 +352,11 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens):
     """
     T = q.shape[1]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    layout = chunk_layout(1, T, CHUNK, cu_seqlens)
-    nc = layout.token.shape[1]
-    rows = nc * CHUNK
-    lane = lambda x: to_chunks(x, layout).reshape((1, rows) + x.shape[2:])
-    qp, kp, vp, gp, bp = map(lane, (q, k, v, g, beta))
-    wipe = jnp.zeros((nc, CHUNK), f32).at[:, 0].set(jnp.where(layout.first[0], _WIPE, 0.0))
-    gp = gp.astype(f32) + wipe.reshape(1, rows, 1)
-    Gp = jnp.cumsum(gp.reshape(1, nc, CHUNK, HV), axis=2).reshape(1, rows, HV).transpose(0, 2, 1)
-    bp = bp.astype(f32).transpose(0, 2, 1)
+    (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
+    Gp, bp = _kernel_gates(wipe_first_tokens(gp, layout), bp)
     h0 = jnp.zeros((1, HV, K, V), f32)
     o, _ = _core(cfg, qp, kp, vp, Gp, bp, h0)
-    return from_chunks(o.reshape(1, nc, CHUNK, HV, V), layout, 1, T).astype(v.dtype)
+    return from_one_lane(o, layout, T).astype(v.dtype)
 
 
 def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):
@@ -332,19 +370,13 @@ def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):
     T = q.shape[1]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     N = cu_seqlens.shape[0] - 1
-    layout = chunk_layout(1, T, CHUNK, cu_seqlens)
-    nc = layout.token.shape[1]
-    rows = nc * CHUNK
-    lane = lambda x: to_chunks(x, layout).reshape((1, rows) + x.shape[2:])
-    qp, kp, vp, gp, bp = map(lane, (q, k, v, g, beta))
-    Gp = jnp.cumsum(gp.astype(f32).reshape(1, nc, CHUNK, HV), axis=2)
-    Gp = Gp.reshape(1, rows, HV).transpose(0, 2, 1)
-    bp = bp.astype(f32).transpose(0, 2, 1)
+    (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
+    Gp, bp = _kernel_gates(gp, bp)
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    nc = layout.token.shape[1]
     meta = jnp.full((nc, META_COLS), -1, jnp.int32)
     meta = meta.at[:, 0].set(jnp.where(layout.first[0], layout.seq[0], -1))
     meta = meta.at[:, 1].set(jnp.where(layout.last[0], layout.seq[0], -1))
     o, ht = _core(cfg, qp, kp, vp, Gp, bp, h0, meta)
     ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
-    o = from_chunks(o.reshape(1, nc, CHUNK, HV, V), layout, 1, T)
-    return o.astype(v.dtype), ht
+    return from_one_lane(o, layout, T).astype(v.dtype), ht
