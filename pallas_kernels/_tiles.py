@@ -14,7 +14,14 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 
-__all__ = ["unit_lower_inverse", "col_vec_row", "chunk_coords", "store_f32_tile"]
+__all__ = [
+    "unit_lower_inverse",
+    "col_vec_row",
+    "chunk_coords",
+    "per_chunk_kernel",
+    "per_v_block_kernel",
+    "store_f32_tile",
+]
 
 
 def unit_lower_inverse(L: jax.Array, x_s, oy_s, dtype) -> jax.Array:
@@ -70,6 +77,30 @@ def chunk_coords(group: int, chunk: int = 64):
     hv = lax.axis_index("h")
     b = lax.axis_index("b")
     return c, hv, b, hv // group, pl.ds(c * chunk, chunk)
+
+
+def per_chunk_kernel(body, out_type, *, chunks: int, HV: int, B: int, name: str):
+    """``cp.kernel`` with one CTA per (chunk, value head, batch row): the ``("c", "h", "b")`` grid
+    that :func:`chunk_coords` reads (the chunk-parallel stages)."""
+    return cp.kernel(
+        body, out_type=out_type, grid=(chunks, HV, B), grid_names=("c", "h", "b"), name=name
+    )
+
+
+def per_v_block_kernel(
+    body, out_type, *, v_blocks: int, HV: int, B: int, name: str, input_output_aliases=None
+):
+    """``cp.kernel`` with one CTA per (block of value columns, value head, batch row): the
+    ``("v", "h", "b")`` grid of the sequential chunk loops, each CTA carrying a [K, block_v]
+    slice of the state. ``input_output_aliases`` as for :func:`pallas_kernels._compat.kernel`."""
+    return cp.kernel(
+        body,
+        out_type=out_type,
+        grid=(v_blocks, HV, B),
+        grid_names=("v", "h", "b"),
+        name=name,
+        input_output_aliases=input_output_aliases,
+    )
 
 
 def store_f32_tile(x: jax.Array, dst) -> None:

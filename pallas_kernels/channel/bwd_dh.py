@@ -23,7 +23,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import store_f32_tile
+from pallas_kernels._tiles import per_v_block_kernel, store_f32_tile
 from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig
 
 CHUNK = 64
@@ -139,11 +139,7 @@ def channel_bwd_dh(
     def body(*refs):
         _dh_body(*refs, cfg=config, nt=nt)
 
-    fn = cp.kernel(
-        body,
-        out_type=out_type,
-        grid=(V // config.block_v, HV, B),
-        grid_names=("v", "h", "b"),
-        name="chan_bwd_dh",
+    fn = per_v_block_kernel(
+        body, out_type, v_blocks=V // config.block_v, HV=HV, B=B, name="chan_bwd_dh"
     )
     return fn(qg, kg, w, do, aqk, decay_last, dht)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords
+from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
 from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
@@ -177,7 +177,5 @@ def channel_bwd_dqkw(
     def body(*refs):
         _dqkw_body(*refs, scale=scale, group=HV // H, sliced=sliced)
 
-    fn = cp.kernel(
-        body, out_type=out_type, grid=(nt, HV, B), grid_names=("c", "h", "b"), name="chan_bwd_dqkw"
-    )
+    fn = per_chunk_kernel(body, out_type, chunks=nt, HV=HV, B=B, name="chan_bwd_dqkw")
     return fn(q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo)

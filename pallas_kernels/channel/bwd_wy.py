@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords
+from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
 from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
@@ -244,11 +244,5 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
     def body(*refs):
         _wy_body(*refs, scalar=config.scalar_beta, group=HV // H, sliced=config.sliced)
 
-    fn = cp.kernel(
-        body,
-        out_type=tuple(out_type),
-        grid=(T // CHUNK, HV, B),
-        grid_names=("c", "h", "b"),
-        name="chan_bwd_wy",
-    )
+    fn = per_chunk_kernel(body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_bwd_wy")
     return tuple(fn(*ins))

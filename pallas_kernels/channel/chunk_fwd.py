@@ -26,7 +26,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import store_f32_tile
+from pallas_kernels._tiles import per_v_block_kernel, store_f32_tile
 
 CHUNK = 64
 f32 = jnp.float32
@@ -185,11 +185,12 @@ def channel_chunk_fwd(
     def body(*refs):
         _fwd_body(*refs, cfg=config, nt=nt)
 
-    fn = cp.kernel(
+    fn = per_v_block_kernel(
         body,
-        out_type=out_type,
-        grid=(V // config.block_v, HV, B),
-        grid_names=("v", "h", "b"),
+        out_type,
+        v_blocks=V // config.block_v,
+        HV=HV,
+        B=B,
         name="chan_chunk_h" if config.store_h else "chan_chunk_fwd",
     )
     return fn(*ins)

@@ -38,7 +38,7 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords
+from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
 
 CHUNK = 64
 SUB = 16  # rows per sub-chunk of the decay factoring
@@ -282,12 +282,6 @@ def channel_intra(
     def body(*refs):
         _intra_body(*refs, cfg=config, group=HV // H)
 
-    fn = cp.kernel(
-        body,
-        out_type=tuple(out_type),
-        grid=(T // CHUNK, HV, B),
-        grid_names=("c", "h", "b"),
-        name="chan_intra",
-    )
+    fn = per_chunk_kernel(body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra")
     ins = (q, k, v, G, gr, gl, b) if config.scalar_beta else (q, k, v, G, gr, gl, b, w_gate)
     return tuple(fn(*ins))

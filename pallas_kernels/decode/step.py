@@ -29,6 +29,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import per_v_block_kernel
 
 __all__ = ["StepConfig", "decode_step", "SUPPORTED_DIMS"]
 
@@ -186,11 +187,12 @@ def decode_step(
     def body(*refs):
         _body(*refs, cfg=config, group=HV // H, T=T)
 
-    fn = cp.kernel(
+    fn = per_v_block_kernel(
         body,
-        out_type=out_type,
-        grid=(V // config.block_v, HV, B),
-        grid_names=("v", "h", "b"),
+        out_type,
+        v_blocks=V // config.block_v,
+        HV=HV,
+        B=B,
         name="gdn_decode_step",
         input_output_aliases={len(ins) - 1: 1},
     )

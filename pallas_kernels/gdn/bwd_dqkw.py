@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords
+from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 CHUNK = 64
@@ -206,7 +206,5 @@ def bwd_dqkw(q, k, h, dh, v_new, do, dv2, g_cum, *, scale: float):
     def body(*refs):
         _dqkw_body(*refs, scale=scale, group=HV // H)
 
-    fn = cp.kernel(
-        body, out_type=out_type, grid=(nt, HV, B), grid_names=("c", "h", "b"), name="gdn_bwd_dqkw"
-    )
+    fn = per_chunk_kernel(body, out_type, chunks=nt, HV=HV, B=B, name="gdn_bwd_dqkw")
     return fn(q, k, h, dh, v_new, do, dv2, g_cum)

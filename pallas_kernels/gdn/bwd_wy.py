@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords
+from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
 
 CHUNK = 64
 f32 = jnp.float32
@@ -186,11 +186,5 @@ def bwd_wy(k, v, A, g_cum, beta, dw, dv2):
     def body(*refs):
         _wy_body(*refs, group=HV // H)
 
-    fn = cp.kernel(
-        body,
-        out_type=out_type,
-        grid=(T // CHUNK, HV, B),
-        grid_names=("c", "h", "b"),
-        name="gdn_bwd_wy",
-    )
+    fn = per_chunk_kernel(body, out_type, chunks=T // CHUNK, HV=HV, B=B, name="gdn_bwd_wy")
     return fn(k, v, A, g_cum, beta, dw, dv2)

@@ -22,7 +22,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import store_f32_tile
+from pallas_kernels._tiles import per_v_block_kernel, store_f32_tile
 from pallas_kernels.gdn.chunk_fwd import META_COLS, check_meta
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
@@ -231,11 +231,7 @@ def chunk_bwd_dh(
     def body(*refs):
         _dh_body(*refs, cfg=config, group=HV // H, nt=nt, packed=packed)
 
-    fn = cp.kernel(
-        body,
-        out_type=out_type,
-        grid=(V // config.block_v, HV, B),
-        grid_names=("v", "h", "b"),
-        name="gdn_chunk_bwd_dh",
+    fn = per_v_block_kernel(
+        body, out_type, v_blocks=V // config.block_v, HV=HV, B=B, name="gdn_chunk_bwd_dh"
     )
     return fn(q, k, w, do, g_cum, dht, *(() if meta is None else (meta,)))

@@ -24,7 +24,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import store_f32_tile
+from pallas_kernels._tiles import per_v_block_kernel, store_f32_tile
 from pallas_kernels.gdn.fake_quant import f16_stage_scales, fake_quant_e4m3
 
 CHUNK = 64
@@ -290,11 +290,12 @@ def chunk_fwd(
     def body(*refs):
         _fwd_body(*refs, cfg=config, group=HV // H, nt=nt, packed=packed)
 
-    fn = cp.kernel(
+    fn = per_v_block_kernel(
         body,
-        out_type=out_type,
-        grid=(V // config.block_v, HV, B),
-        grid_names=("v", "h", "b"),
+        out_type,
+        v_blocks=V // config.block_v,
+        HV=HV,
+        B=B,
         name="gdn_chunk_h" if config.store_h else "gdn_chunk_fwd",
     )
     return fn(*ins)

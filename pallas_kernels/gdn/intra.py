@@ -23,7 +23,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords
+from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
 from pallas_kernels.gdn.fake_quant import fake_quant_e4m3
 
 CHUNK = 64
@@ -169,11 +169,5 @@ def intra_chunk(
     def body(*refs):
         _intra_body(*refs, group=HV // H, store_a=config.store_a, w_quant=config.w_quant)
 
-    fn = cp.kernel(
-        body,
-        out_type=tuple(out_type),
-        grid=(T // CHUNK, HV, B),
-        grid_names=("c", "h", "b"),
-        name="gdn_intra",
-    )
+    fn = per_chunk_kernel(body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="gdn_intra")
     return tuple(fn(k, v, g_cum, beta))
