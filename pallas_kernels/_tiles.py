@@ -21,6 +21,8 @@ __all__ = [
     "per_chunk_kernel",
     "per_v_block_kernel",
     "store_f32_tile",
+    "load_tiles",
+    "emit_tile",
 ]
 
 
@@ -114,3 +116,23 @@ def store_f32_tile(x: jax.Array, dst) -> None:
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(body, cp.smem(x.shape, jnp.float32))
+
+
+def load_tiles(copies, bar, *, late: tuple[int, ...] = ()) -> None:
+    """Issues the GMEM→SMEM copies ``copies`` ((GMEM view, SMEM ref) pairs), copy i arriving on
+    ``bar.at[i]``, and waits for all but those indexed by ``late`` (the caller waits for those
+    with ``plgpu.barrier_wait(bar.at[i])`` where it first needs them, overlapping their load)."""
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+    for i in range(len(copies)):
+        if i not in late:
+            plgpu.barrier_wait(bar.at[i])
+
+
+def emit_tile(x: jax.Array, stage_s, dst) -> None:
+    """Writes the register tile ``x`` to the GMEM view ``dst`` through the SMEM tile ``stage_s``
+    and returns once the copy has read ``stage_s`` (so it can take the next tile)."""
+    stage_s[...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage_s, dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)

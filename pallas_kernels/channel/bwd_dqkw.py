@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
+from pallas_kernels._tiles import chunk_coords, emit_tile, load_tiles, per_chunk_kernel
 from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
@@ -52,16 +52,7 @@ def _dqkw_body(
             (dvh_g.at[b, rows, hv, :], dvh_s),
             (dvl_g.at[b, rows, hv, :], dvl_s),
         )
-        for i, (src, dst) in enumerate(srcs):
-            plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
-        for i in range(len(srcs)):
-            plgpu.barrier_wait(bar.at[i])
-
-        def emit(x, dst):
-            out_s[...] = x
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s, dst)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        load_tiles(srcs, bar)
 
         dec = Decay(g_s, gr_s, gl_s, dt)
         row = cp.iota((C, C), 0)
@@ -108,16 +99,16 @@ def _dqkw_body(
             plgpu.copy_smem_to_gmem(x_s, dq_g.at[b, rows, hv, :])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         else:
-            emit(dq, dq_g.at[b, rows, hv, :])
+            emit_tile(dq, out_s, dq_g.at[b, rows, hv, :])
         dk = dec.cols(dp_s, q, x_s, sliced=sliced)
         plgpu.barrier_wait(bar.at[len(srcs)])
         dks = cp.matmul(vn_s, h_s.T, (C, K)) * dec.e_last()  # the state part of dk
         last = jnp.sum(dks * k, axis=0)
         dk = dk + dks
-        emit(dk, dk_g.at[b, rows, hv, :])
+        emit_tile(dk, out_s, dk_g.at[b, rows, hv, :])
         dG = r1 - dk * k
         dG = dG + jnp.where(dec.row == C - 1, cp.bcast_cols(last, (C, K)), 0.0)
-        emit(dG, dg_g.at[b, rows, hv, :])
+        emit_tile(dG, out_s, dg_g.at[b, rows, hv, :])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(

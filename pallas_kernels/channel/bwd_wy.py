@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
+from pallas_kernels._tiles import chunk_coords, emit_tile, load_tiles, per_chunk_kernel
 from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
@@ -86,18 +86,9 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
             srcs.append((be_g.at[b, hv, rows], be_s))
         else:
             srcs += [(b_g.at[b, rows, hv, :], b_s), (wg_g.at[b, rows, hv, :], wg_s)]
-        for i, (src, dst) in enumerate(srcs):
-            plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
-        for i in range(len(srcs)):
-            plgpu.barrier_wait(bar.at[i])
+        load_tiles(srcs, bar)
 
         out_s = st_s if scalar else wg_s  # f32 staging (GDN2: the write-gate tile once used)
-
-        def emit(x, dst):
-            out_s[...] = x
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s, dst)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         dec = Decay(g_s, gr_s, gl_s, dt)
         k = cp.load_tile(k_s).astype(f32)
@@ -139,7 +130,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         if scalar:
             dbe = jnp.sum(dwg, axis=1)
         else:
-            emit(dwg, dwg_g.at[b, rows, hv, :])
+            emit_tile(dwg, out_s, dwg_g.at[b, rows, hv, :])
         x_s[...] = dv.astype(dt)  # dv leaves in the io dtype, staged in the (free) operand tile
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(x_s, dv_g.at[b, rows, hv, :])
@@ -168,15 +159,15 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         dG = (dkbg * eG + dbk_l) * bk  # = dkbg ⊙ bk e^G + dbk_L ⊙ bk
         dkl = dec.cols(m_s, bk, x_s, sliced=sliced)
         dG = dG - dkl * k
-        emit(dG, dg_g.at[b, rows, hv, :])
+        emit_tile(dG, out_s, dg_g.at[b, rows, hv, :])
         dbk_k = dbk * k
         if scalar:
             dbe = dbe + jnp.sum(dbk_k, axis=1)
             dk = dbk * cp.bcast_rows(cp.row_vec(be_s), (C, K)) + dkl
         else:
-            emit(dbk_k, db_g.at[b, rows, hv, :])
+            emit_tile(dbk_k, out_s, db_g.at[b, rows, hv, :])
             dk = dbk * cp.load_tile(b_s) + dkl
-        emit(dk, dk_g.at[b, rows, hv, :])
+        emit_tile(dk, out_s, dk_g.at[b, rows, hv, :])
         if scalar:
             vec_s[...] = dbe
             plgpu.commit_smem()

@@ -98,14 +98,10 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
             copies.append((be_g.at[b, hv, rows], be_s))
         else:
             copies += [(b_g.at[b, rows, hv, :], b_s), (wg_g.at[b, rows, hv, :], wg_s)]
-        for i, (src, dst) in enumerate(copies):
-            plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
         # v (index 2) and the write gate (last, GDN2) are needed only for u at the end: their
         # loads overlap L, Aqk and the inverse
         late = (2,) if scalar else (2, len(copies) - 1)
-        for i in range(len(copies)):
-            if i not in late:
-                plgpu.barrier_wait(bar.at[i])
+        _tiles.load_tiles(copies, bar, late=late)
 
         blk = lax.shift_right_logical(cp.iota((C, K), 0), 4)  # sub-chunk of each row
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
+from pallas_kernels._tiles import chunk_coords, emit_tile, load_tiles, per_chunk_kernel
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 CHUNK = 64
@@ -65,10 +65,7 @@ def _dqkw_body(
         ]
         if not scaled:
             srcs += [(h_g.at[b, c, hv], h_s), (dh_g.at[b, c, hv], dh_s)]
-        for i, (src, dst) in enumerate(srcs):
-            plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
-        for i in range(len(srcs)):
-            plgpu.barrier_wait(bar.at[i])
+        load_tiles(srcs, bar)
 
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
@@ -101,18 +98,12 @@ def _dqkw_body(
                 return x
             return x * cp.bcast_cols(cp.col_vec(sc_s.at[t, pl.ds(0, n)], n), x.shape)
 
-        def emit(x, dst):
-            out_s[...] = x
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s, dst)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
         # dq
         dq = unstage(cp.matmul(do_s, h_s.T, (C, K)), 0)
         dq = dq * cp.bcast_rows(scale * jnp.exp(g_r), (C, K))
         dq = dq + cp.matmul(ds_s, k_s, (C, K))
         r1 = jnp.sum(dq * cp.load_tile(q_s).astype(f32), axis=1)
-        emit(dq, dq_g.at[b, rows, hv, :])
+        emit_tile(dq, out_s, dq_g.at[b, rows, hv, :])
         # dk = dk_state + dsᵀ q
         dks = unstage(cp.matmul(vn_s, dh_s.T, (C, K)), 1)
         dks = dks * cp.bcast_rows(jnp.exp(g_last - g_r), (C, K))
@@ -120,7 +111,7 @@ def _dqkw_body(
         r3 = jnp.sum(dks * kf, axis=1)
         dk = dks + cp.matmul(ds_s.T, q_s, (C, K))
         r2 = jnp.sum(dk * kf, axis=1)
-        emit(dk, dk_g.at[b, rows, hv, :])
+        emit_tile(dk, out_s, dk_g.at[b, rows, hv, :])
 
         # dw = −dv2 hᵀ with dv2 = hi + lo (both 16-bit)
         def dw_mm(acc):

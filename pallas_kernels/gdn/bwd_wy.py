@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
+from pallas_kernels._tiles import chunk_coords, load_tiles, per_chunk_kernel
 
 CHUNK = 64
 f32 = jnp.float32
@@ -47,10 +47,7 @@ def _wy_body(
             (dw_g.at[b, rows, hv, :], dw_s),
             (dv2_g.at[b, rows, hv, :], dvf_s),
         )
-        for i, (src, dst) in enumerate(srcs):
-            plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
-        for i in range(len(srcs)):
-            plgpu.barrier_wait(bar.at[i])
+        load_tiles(srcs, bar)
 
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
