@@ -179,9 +179,10 @@ def bench_qat(shapes, impls, names=QAT_CONFIGS, skip_fwd=False) -> list[dict]:
 
 def bench_stages(s, x) -> dict:
     """Per-kernel times of the pallas path (padded layout, T a multiple of 64)."""
+    from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
     from pallas_kernels.gdn.bwd_wy import bwd_wy
-    from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig, chunk_bwd_dh
+    from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
     from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
     from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 
@@ -204,7 +205,7 @@ def bench_stages(s, x) -> dict:
     do = jnp.asarray(x["do"], bf)
     dht = jnp.zeros_like(h0)
     dh_fn = jax.jit(
-        lambda q, k, w, do, G, dht: chunk_bwd_dh(q, k, w, do, G, dht, ChunkBwdDhConfig(s.K**-0.5))
+        lambda q, k, w, do, G, dht: chunk_bwd_dh(q, k, w, do, G, dht, LoopConfig(s.K**-0.5))
     )
     dh, dv2, _ = dh_fn(q, k, w, do, G, dht)
     dqkw = jax.jit(lambda *a: bwd_dqkw(*a, scale=s.K**-0.5))

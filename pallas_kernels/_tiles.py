@@ -7,6 +7,8 @@ that more than one stage family uses.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -18,6 +20,8 @@ __all__ = [
     "unit_lower_inverse",
     "col_vec_row",
     "chunk_coords",
+    "LoopConfig",
+    "v_block_coords",
     "per_chunk_kernel",
     "per_v_block_kernel",
     "store_f32_tile",
@@ -79,6 +83,37 @@ def chunk_coords(group: int, chunk: int = 64):
     hv = lax.axis_index("h")
     b = lax.axis_index("b")
     return c, hv, b, hv // group, pl.ds(c * chunk, chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static configuration of a sequential chunk loop (one CTA per block of value columns, see
+    :func:`per_v_block_kernel`); the loops' own configs extend it.
+
+    Attributes:
+      scale: the output scale (``K ** -0.5`` by default in the ops).
+      block_v: V columns per CTA, 64 or 128.
+    """
+
+    scale: float = 1.0
+    block_v: int = 64
+
+    def __post_init__(self):
+        if self.block_v not in (64, 128):
+            raise ValueError(f"{self.block_v=} must be 64 or 128")
+        if not isinstance(self.scale, float):
+            raise TypeError(f"{self.scale=} must be a Python float")
+
+
+def v_block_coords(block_v: int):
+    """Grid coordinates of a sequential chunk loop on the ``("v", "h", "b")`` grid.
+
+    Returns:
+      (iv, hv, b, cols): value-column block, value head, batch row, and the block's state
+      columns as a ``pl.ds``.
+    """
+    iv = lax.axis_index("v")
+    return iv, lax.axis_index("h"), lax.axis_index("b"), pl.ds(iv * block_v, block_v)
 
 
 def per_chunk_kernel(body, out_type, *, chunks: int, HV: int, B: int, name: str):

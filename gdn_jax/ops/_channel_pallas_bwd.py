@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels._tiles import LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
 from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
 from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
-from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig
 
 __all__ = ["channel_backward_pallas"]
 
@@ -70,7 +70,7 @@ def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float, slic
     h, vn = channel_chunk_fwd(
         None, kg, wk, u, None, egl, h0, ChannelFwdConfig(scale=scale, store_h=True)
     )
-    dh, dvh, dvl, dh0 = channel_bwd_dh(qg, kg, wk, do, aqk, egl, dht, ChunkBwdDhConfig(scale=scale))
+    dh, dvh, dvl, dh0 = channel_bwd_dh(qg, kg, wk, do, aqk, egl, dht, LoopConfig(scale=scale))
     dq, dk_a, dwk, dG_a = channel_bwd_dqkw(
         q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced
     )

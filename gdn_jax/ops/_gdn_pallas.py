@@ -36,9 +36,10 @@ from gdn_jax.reference._common import (
     to_chunks,
 )
 from pallas_kernels import _compat as pk
+from pallas_kernels._tiles import LoopConfig
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
 from pallas_kernels.gdn.bwd_wy import bwd_wy
-from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig, chunk_bwd_dh
+from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
 from pallas_kernels.gdn.chunk_fwd import META_COLS, ChunkFwdConfig, chunk_fwd
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 
@@ -148,9 +149,7 @@ def _core_bwd(cfg, res, cts):
         # the same kernels and configs as the forward: w and h are the quantised values it used
         w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True, w_quant=cfg.w_quant))
         h, vn = chunk_fwd(None, k, w, u, G, h0, cfg.fwd_config(v.shape[-1], store_h=True), meta)
-        dh_k, dv2_k, dh0 = chunk_bwd_dh(
-            q, k, w, do.astype(dt), G, dht, ChunkBwdDhConfig(scale), meta
-        )
+        dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do.astype(dt), G, dht, LoopConfig(scale), meta)
         dq, dk_a, dw, dg_a, rs, hd = bwd_dqkw(
             q, k, h, dh_k, vn, do.astype(dt), dv2_k, G, scale=scale
         )

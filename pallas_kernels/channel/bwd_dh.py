@@ -23,8 +23,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import per_v_block_kernel, store_f32_tile
-from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig
+from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
 
 CHUNK = 64
 f32 = jnp.float32
@@ -32,12 +31,9 @@ f32 = jnp.float32
 
 def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0_g, *, cfg, nt):
     C, BV = CHUNK, cfg.block_v
-    iv = lax.axis_index("v")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
+    iv, hv, b, cols = v_block_coords(BV)
     K = kg_g.shape[-1]
     dt = kg_g.dtype
-    cols = pl.ds(iv * BV, BV)
 
     def load_dht(st_s, bar):
         plgpu.copy_gmem_to_smem(dht_g.at[b, hv, :, cols], st_s, bar)
@@ -107,7 +103,7 @@ def channel_bwd_dh(
     aqk: jax.Array,
     decay_last: jax.Array,
     dht: jax.Array,
-    config: ChunkBwdDhConfig,
+    config: LoopConfig,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Reverse chunk loop of the channel-decay backward.
 
@@ -117,7 +113,7 @@ def channel_bwd_dh(
       aqk: [B, T, HV, 64] io dtype, the decayed causal intra-chunk product (unscaled).
       decay_last: [B, HV, T/64, K] f32, e^{G_last} per chunk and key channel.
       dht: [B, HV, K, V] f32 cotangent of the final state.
-      config: :class:`ChunkBwdDhConfig`.
+      config: :class:`LoopConfig`.
     Returns:
       dh [B, T/64, HV, K, V] (io dtype; gradient of the state at each chunk's end),
       dv2_hi, dv2_lo [B, T, HV, V] io dtype (dL/dv_new = hi + lo),

@@ -26,31 +26,25 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import per_v_block_kernel, store_f32_tile
+from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
 
 CHUNK = 64
 f32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
-class ChannelFwdConfig:
-    """Static configuration of :func:`channel_chunk_fwd`.
+class ChannelFwdConfig(LoopConfig):
+    """Static configuration of :func:`channel_chunk_fwd`: :class:`~pallas_kernels._tiles.LoopConfig`
+    (scale, block_v) plus
 
     Attributes:
-      scale: the output scale.
       store_h: backward recomputation mode: write h and v_new instead of o and the final state.
-      block_v: V columns per CTA.
     """
 
-    scale: float = 1.0
     store_h: bool = False
-    block_v: int = 64
 
     def __post_init__(self):
-        if self.block_v not in (64, 128):
-            raise ValueError(f"{self.block_v=} must be 64 or 128")
-        if not isinstance(self.scale, float):
-            raise TypeError(f"{self.scale=} must be a Python float")
+        super().__post_init__()
         if not isinstance(self.store_h, bool):
             raise TypeError(f"{self.store_h=} must be a bool")
 
@@ -62,12 +56,9 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
         kg_g, w_g, u_g, dl_g, h0_g, h_g, vn_g = refs
     else:
         qg_g, kg_g, w_g, u_g, aqk_g, dl_g, h0_g, o_g, ht_g = refs
-    iv = lax.axis_index("v")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
+    iv, hv, b, cols = v_block_coords(BV)
     K = kg_g.shape[-1]
     dt = kg_g.dtype
-    cols = pl.ds(iv * BV, BV)
     n_groups = 2 if store_h else 1  # TMA store groups issued per step
 
     def load_h0(h0_s, bar):

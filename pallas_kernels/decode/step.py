@@ -29,7 +29,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import per_v_block_kernel
+from pallas_kernels._tiles import per_v_block_kernel, v_block_coords
 
 __all__ = ["StepConfig", "decode_step", "SUPPORTED_DIMS"]
 
@@ -75,12 +75,9 @@ def _body(*refs, cfg: StepConfig, group: int, T: int):
     s_in, o_g, s_out = rest  # s_in and s_out are the same buffer (aliased)
     del s_in
     BV = cfg.block_v
-    iv = lax.axis_index("v")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
+    iv, hv, b, cols = v_block_coords(BV)
     hk = hv // group
     K = q_g.shape[-1]
-    cols = pl.ds(iv * BV, BV)
 
     # (gmem source, smem allocation) for every input tile this CTA reads
     loads = [

@@ -14,15 +14,13 @@ the q operand and the sign into the stored −dv2 operand.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import per_v_block_kernel, store_f32_tile
+from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
 from pallas_kernels.gdn.chunk_fwd import META_COLS, check_meta
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
@@ -30,37 +28,15 @@ CHUNK = 64
 f32 = jnp.float32
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkBwdDhConfig:
-    """Static configuration of :func:`chunk_bwd_dh`.
-
-    Attributes:
-      scale: the output scale used in the forward.
-      block_v: V columns per CTA.
-    """
-
-    scale: float = 1.0
-    block_v: int = 64
-
-    def __post_init__(self):
-        if self.block_v not in (64, 128):
-            raise ValueError(f"{self.block_v=} must be 64 or 128")
-        if not isinstance(self.scale, float):
-            raise TypeError(f"{self.scale=} must be a Python float")
-
-
 def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
     q_g, k_g, w_g, do_g, g_g, dht_g = refs[:6]
     m_g = refs[6] if packed else None  # [NT, META_COLS] int32 per-chunk (reset, final) ids
     dh_g, dv2_g, dh0_g = refs[-3:]
     C, BV = CHUNK, cfg.block_v
-    iv = lax.axis_index("v")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
+    iv, hv, b, cols = v_block_coords(BV)
     hk = hv // group
     K = k_g.shape[-1]
     dt = k_g.dtype
-    cols = pl.ds(iv * BV, BV)
     # f16 io: dH is staged as f16 with one scale per column and written in f32 (DESIGN §3); the
     # extra f32 tile fits in SMEM only with single-buffered stores
     scaled = dt == jnp.float16
@@ -197,7 +173,7 @@ def chunk_bwd_dh(
     do: jax.Array,
     g_cum: jax.Array,
     dht: jax.Array,
-    config: ChunkBwdDhConfig,
+    config: LoopConfig,
     meta: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reverse chunk loop of the backward.
@@ -206,7 +182,7 @@ def chunk_bwd_dh(
       q, k: [B, T, H, K]; w: [B, T, HV, K]; do: [B, T, HV, V] (all the io dtype); T % 64 == 0.
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
       dht: [B, HV, K, V] f32 cotangent of the final state ([N, HV, K, V] with ``meta``).
-      config: :class:`ChunkBwdDhConfig`.
+      config: :class:`LoopConfig`.
       meta: packed sequences on one lane (B == 1), as for
         :func:`pallas_kernels.gdn.chunk_fwd.chunk_fwd`: [T/64, META_COLS] int32 (reset, final) ids.
     Returns:

@@ -24,7 +24,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import per_v_block_kernel, store_f32_tile
+from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
 from pallas_kernels.gdn.fake_quant import f16_stage_scales, fake_quant_e4m3
 
 CHUNK = 64
@@ -33,29 +33,23 @@ STATE_QUANT = {"column": "cols", "matrix": "all"}  # QAT granularity -> groups o
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkFwdConfig:
-    """Static configuration of :func:`chunk_fwd`.
+class ChunkFwdConfig(LoopConfig):
+    """Static configuration of :func:`chunk_fwd`: :class:`~pallas_kernels._tiles.LoopConfig`
+    (scale, block_v; 64 keeps the state carry at ~140 registers, no spills) plus
 
     Attributes:
-      scale: the output scale (``K ** -0.5`` by default in the op).
       store_h: backward recomputation mode: write h and v_new instead of o and the final state.
-      block_v: V columns per CTA (64: the state carry then needs ~140 registers, no spills).
       state_quant: QAT fake quantisation (FP8-E4M3, dynamic scale) of the state entering each
         chunk, which both the chunk's products and its update then use: ``None`` (off),
         ``"column"`` (one scale per V column, amax over K) or ``"matrix"`` (one per K×V state;
         needs the whole state in one CTA, i.e. ``block_v == V``).
     """
 
-    scale: float = 1.0
     store_h: bool = False
-    block_v: int = 64
     state_quant: str | None = None
 
     def __post_init__(self):
-        if self.block_v not in (64, 128):
-            raise ValueError(f"{self.block_v=} must be 64 or 128")
-        if not isinstance(self.scale, float):
-            raise TypeError(f"{self.scale=} must be a Python float")
+        super().__post_init__()
         if self.state_quant is not None and self.state_quant not in STATE_QUANT:
             raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
 
@@ -85,13 +79,10 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
         h_g, vn_g = refs[-2:]
     else:
         o_g, ht_g = refs[-2:]
-    iv = lax.axis_index("v")
-    hv = lax.axis_index("h")
-    b = lax.axis_index("b")
+    iv, hv, b, cols = v_block_coords(BV)
     hk = hv // group
     K = k_g.shape[-1]
     dt = k_g.dtype
-    cols = pl.ds(iv * BV, BV)
     store_h = cfg.store_h
     n_groups = 2 if store_h else 1  # TMA store groups issued per step
     # f16 io: the state is staged as f16 with one scale per column (its range is kept), and the

@@ -323,14 +323,14 @@ def _rep(x, HV):  # GVA: q/k heads repeated to the value heads
 
 def _kernel_outputs(x, scale, sliced):
     """bwd_dh, then bwd_dqkw on its dh/dv2, then bwd_wy on their dw/dv2."""
+    from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.channel.bwd_dh import channel_bwd_dh
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
     from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
-    from pallas_kernels.gdn.chunk_bwd_dh import ChunkBwdDhConfig
 
     dh, dvh, dvl, dh0 = channel_bwd_dh(
         x["qg"], x["kg"], x["wk"], x["do"], x["aqk"], jnp.exp(x["gl"]), x["dht"],
-        ChunkBwdDhConfig(scale=scale),
+        LoopConfig(scale=scale),
     )  # fmt: skip
     dq, dk, dwk, dG = channel_bwd_dqkw(
         x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], dh, x["vn"], x["do"], dvh, dvl,
