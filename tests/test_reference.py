@@ -1,10 +1,11 @@
 """The chunked reference equals the token recurrence, and the variants reduce to each other."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from gdn_cases import CHUNK, RECURRENT, positional
 
-from gdn_jax.testing import random_inputs, rel_rms
+from gdn_jax.testing import check_2x, random_inputs, rel_rms
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda", "gdn2"])
@@ -63,3 +64,16 @@ def test_channel_decay_stays_finite_with_strong_gates():
     o, s = CHUNK["kda"](*args, output_final_state=True, use_qk_l2norm=True)
     assert jnp.all(jnp.isfinite(o)) and jnp.all(jnp.isfinite(s))
     assert rel_rms(o, o_ref) <= 1e-5
+
+
+def test_check_2x_rule():
+    """gdn_jax.testing.check_2x: passes within 2x of the io-dtype reference, fails outside it and
+    on a non-finite output even where the reference overflowed, skips absent outputs."""
+    r = np.ones(8)
+    lo = r + 0.01  # budget: 1e-2
+    assert "a: " in check_2x(["a", "b"], [r + 0.015, None], [lo, None], [r, None])
+    with pytest.raises(AssertionError, match=r"\['a'\]"):
+        check_2x(["a"], [r + 0.03], [lo], [r], floor=0.0)
+    with pytest.raises(AssertionError, match=r"\['a'\]"):
+        check_2x(["a"], [np.full(8, np.inf)], [np.full(8, np.inf)], [r])
+    check_2x(["da", "o"], [r, r + 1.0], [lo, lo], [r, r], checked=lambda n: n.startswith("d"))

@@ -21,7 +21,7 @@ import pytest
 import gdn_jax
 from gdn_jax import qat
 from gdn_jax.reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from gdn_jax.testing import random_inputs, rel_rms
+from gdn_jax.testing import check_2x, random_inputs, reference_device
 from pallas_kernels import _compat as pk
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels.gdn.fake_quant import fake_quant_e4m3
@@ -133,17 +133,6 @@ def _loss_and_grads(fn, x, dtype, cts, cfg):
     return (o, s, *grads)
 
 
-def _reference_device():
-    """Where the XLA fake-quantised references run: the host CPU when the default backend is a GPU.
-
-    XLA:GPU drops ``f32 -> f8 -> f32`` convert chains (its SimplifyFPConversions pass, on under the
-    default ``--xla_allow_excess_precision=true``), so inside an XLA:GPU program
-    ``gdn_jax.qat.fake_quant`` does not quantise (measured on the H200: XLA's result differs from
-    the exact definition at ~97% of the elements, the kernel's at none). XLA:CPU keeps them.
-    """
-    return jax.devices("cpu")[0] if jax.default_backend() == "gpu" else None
-
-
 def _check_2x(x, cts, cfg, ref_fn, dtype=jnp.bfloat16, floor=1e-5):
     """pallas (QAT on) vs the f32 fake-quantised ``ref_fn``, budget = ``ref_fn`` in ``dtype``."""
 
@@ -155,15 +144,10 @@ def _check_2x(x, cts, cfg, ref_fn, dtype=jnp.bfloat16, floor=1e-5):
         with jax.default_device(device):
             return f(jax.device_put(x, device), jax.device_put(cts, device))
 
-    ref32 = run(ref_fn, jnp.float32, _reference_device())
-    ref_lo = run(ref_fn, dtype, _reference_device())
+    ref32 = run(ref_fn, jnp.float32, reference_device())
+    ref_lo = run(ref_fn, dtype, reference_device())
     got = run(_pallas, dtype)
-    report = []
-    for name, a, b, r in zip(NAMES, got, ref_lo, ref32, strict=True):
-        err, budget = rel_rms(a, r), rel_rms(b, r)
-        report.append(f"{name}: {err:.2e} (ref {budget:.2e})")
-        assert err <= 2 * budget + floor, "; ".join(report)
-    print("; ".join(report))
+    print(check_2x(NAMES, got, ref_lo, ref32, floor=floor))
     return got, ref32
 
 
