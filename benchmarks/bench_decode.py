@@ -103,7 +103,7 @@ def bench_jax(
 
 
 def bench_fla(variant: str, B: int, H: int, HV: int, K: int, V: int) -> float:
-    """ms per step of FLA's fused_recurrent kernel (GDN / KDA only)."""
+    """ms per step of FLA's fused_recurrent kernel for ``variant``."""
     import torch
     import triton
 
@@ -112,18 +112,21 @@ def bench_fla(variant: str, B: int, H: int, HV: int, K: int, V: int) -> float:
     elif variant == "kda":
         from fla.ops.kda import fused_recurrent_kda as fn
     else:
-        raise NotImplementedError("no FLA fused_recurrent for gdn2 in this benchmark")
+        from fla.ops.gdn2 import fused_recurrent_gdn2 as fn
     args, state = step_inputs(variant, B, H, HV, K, V)
     t = [torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda() for a in args]
     q, k, v = (x.to(torch.bfloat16) for x in t[:3])
-    if HV != H:  # FLA's fused_recurrent reads q/k per value head
-        q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
-    g, beta = t[3], t[4].to(torch.bfloat16)
+    # FLA 0.6's fused_recurrent kernels read GVA q/k per value head group themselves
+    g = t[3]
+    if variant == "gdn2":  # erase gate b [B,1,HV,K], write gate w [B,1,HV,V]
+        gates = {"b": t[4].to(torch.bfloat16), "w": t[5].to(torch.bfloat16)}
+    else:
+        gates = {"beta": t[4].to(torch.bfloat16)}
     h0 = torch.from_numpy(np.asarray(state)).cuda()
 
     def run():
         with torch.no_grad():
-            fn(q, k, v, g, beta=beta, initial_state=h0, output_final_state=True,
+            fn(q, k, v, g, **gates, initial_state=h0, output_final_state=True,
                use_qk_l2norm_in_kernel=True)  # fmt: skip
 
     return triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")

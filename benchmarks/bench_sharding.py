@@ -4,8 +4,9 @@ For every mode (``dp``: batch over ``data``; ``fsdp``: batch and weights over ``
 heads over ``tensor``; ``cp``: the sequence over ``context``, GDN states passed between shards)
 on ``--devices`` devices, one AdamW train step (forward, backward, update) of the chosen preset is
 
-- checked: its loss and every gradient against the same step on one device (relative RMS over
-  all gradient leaves, reported; ``--tol`` fails the run), and
+- checked: the losses of ``--train-steps`` successive updates and every gradient of the first
+  against the same steps on one device (relative RMS over all gradient leaves, reported; ``--tol``
+  fails the run), and
 - timed: median of ``--iters`` steps after a warm-up, for the mode and for the one-device step
   of the same global batch, giving tokens/s per device and the scaling efficiency
   ``t_1 / (n · t_n)`` (1.0 = perfect: n devices run the same step n times faster).
@@ -99,8 +100,12 @@ def _run(config, args, tokens, mesh):
         constrain = lambda t: jax.lax.with_sharding_constraint(t, tok_sharding)
     opt_state = jax.jit(tx.init)(params)
     step = _step_fn(graphdef, tx, constrain)
-    t, (_, _, loss, grads) = _time(step, params, opt_state, tokens, args.iters)
-    return t, float(loss), jax.tree.map(np.asarray, jax.device_get(grads))
+    t, (params_1, opt_state_1, loss, grads) = _time(step, params, opt_state, tokens, args.iters)
+    losses = [float(loss)]  # training: the loss of each of --train-steps updates
+    for _ in range(args.train_steps - 1):
+        params_1, opt_state_1, loss_k, _ = step(params_1, opt_state_1, tokens)
+        losses.append(float(loss_k))
+    return t, losses, jax.tree.map(np.asarray, jax.device_get(grads))
 
 
 def _grad_rel_rms(a, b) -> float:
@@ -129,11 +134,12 @@ def bench(args) -> list[dict]:
         if B not in reference:
             tokens = rng.integers(0, config.vocab_size, (B, args.seq + 1), dtype=np.int32)
             reference[B] = (tokens, *_run(config, args, tokens, None))
-        tokens, t1, loss1, grads1 = reference[B]
+        tokens, t1, losses1, grads1 = reference[B]
         mesh = sharding.make_mesh({MODES[mode]: n})
         if mode == "tp":
             sharding.check_model_divisibility(config, mesh)
-        tn, loss_n, grads_n = _run(config, args, tokens, mesh)
+        tn, losses_n, grads_n = _run(config, args, tokens, mesh)
+        loss1, loss_n = losses1[-1], losses_n[-1]
         row = dict(
             mode=mode,
             devices=n,
@@ -141,7 +147,9 @@ def bench(args) -> list[dict]:
             seq=args.seq,
             loss_1=loss1,
             loss_n=loss_n,
-            loss_rel_diff=abs(loss_n - loss1) / abs(loss1),
+            losses_1=losses1,
+            losses_n=losses_n,
+            loss_rel_diff=max(abs(a - b) / abs(b) for a, b in zip(losses_n, losses1, strict=True)),
             grad_rel_rms=_grad_rel_rms(grads_n, grads1),
             step_ms_1=1e3 * t1,
             step_ms_n=1e3 * tn,
@@ -150,7 +158,8 @@ def bench(args) -> list[dict]:
         )
         rows.append(row)
         print(
-            f"{mode:5s} n={n} B={B:3d}  loss {loss1:.6f} vs {loss_n:.6f}  "
+            f"{mode:5s} n={n} B={B:3d}  loss@{len(losses1)} {loss1:.6f} vs {loss_n:.6f} "
+            f"(max rel diff {row['loss_rel_diff']:.1e})  "
             f"grad rel RMS {row['grad_rel_rms']:.2e}  step {row['step_ms_1']:.1f} → "
             f"{row['step_ms_n']:.1f} ms  {row['tokens_per_s_per_device']:.0f} tok/s/dev  "
             f"efficiency {row['efficiency']:.2f}",
@@ -168,6 +177,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--devices", type=int, default=None, help="default: all")
     p.add_argument("--modes", default="dp,fsdp,tp,cp")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--train-steps", type=int, default=3, help="updates whose losses are compared")
     p.add_argument("--implementation", default=None, help="GDN core (default: per platform)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (float32 for exactness)")
     p.add_argument("--tol", type=float, default=2e-2, help="max loss diff / grad rel RMS")

@@ -227,10 +227,10 @@ def test_train_step_dp_fsdp_tp(monkeypatch):
 
 
 def test_model_modes_match_one_device():
-    """benchmarks/bench_sharding.py's check (what the multi-GPU run reports): one train step of
-    the hybrid LM (3 GDN layers + 1 attention layer, f32) under DP, FSDP, TP and CP on two devices
-    gives the one-device loss and gradients at f32 rounding level. CP passes the GDN states
-    between the sequence shards and lets XLA split the conv and attention."""
+    """benchmarks/bench_sharding.py's check (what the multi-GPU run reports): three AdamW updates
+    of the hybrid LM (3 GDN layers + 1 attention layer, f32) under DP, FSDP, TP and CP on two
+    devices give the one-device losses and first gradients at f32 rounding level. CP passes the
+    GDN states between the sequence shards and lets XLA split the conv and attention."""
     import importlib.util
     from pathlib import Path
 
