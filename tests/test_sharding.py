@@ -226,11 +226,8 @@ def test_train_step_dp_fsdp_tp(monkeypatch):
         assert rel_rms(a, b) < 10 * TOL
 
 
-def test_model_modes_match_one_device():
-    """benchmarks/bench_sharding.py's check (what the multi-GPU run reports): three AdamW updates
-    of the hybrid LM (3 GDN layers + 1 attention layer, f32) under DP, FSDP, TP and CP on two
-    devices give the one-device losses and first gradients at f32 rounding level. CP passes the
-    GDN states between the sequence shards and lets XLA split the conv and attention."""
+def _bench_sharding():
+    """benchmarks/bench_sharding.py as a module (benchmarks/ is no package)."""
     import importlib.util
     from pathlib import Path
 
@@ -238,10 +235,34 @@ def test_model_modes_match_one_device():
     spec = importlib.util.spec_from_file_location("bench_sharding", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = bench.main(
+    return bench
+
+
+def test_model_modes_match_one_device():
+    """benchmarks/bench_sharding.py's check (what the multi-GPU run reports): three AdamW updates
+    of the hybrid LM (3 GDN layers + 1 attention layer, f32) under DP, FSDP, TP and CP on two
+    devices give the one-device losses and first gradients at f32 rounding level. CP passes the
+    GDN states between the sequence shards and lets XLA split the conv and attention."""
+    rows = _bench_sharding().main(
         "--preset tiny --layers 4 --seq 128 --batch 2 --devices 2 --iters 0 --dtype float32 "
         "--implementation xla --tol 1e-4".split()
     )
     assert [r["mode"] for r in rows] == ["dp", "fsdp", "tp", "cp"]
     for r in rows:
         assert r["loss_rel_diff"] < 1e-5 and r["grad_rel_rms"] < 1e-4, r
+
+
+def test_model_modes_match_one_device_bf16():
+    """In bf16 (what the GPU run uses) the sharded gradients are compared with the f32 maths:
+    FSDP and CP must be no further from it than 2x the one-device bf16 run is, and that
+    distance (the rounding level) is reported, non-zero, per mode."""
+    bench = _bench_sharding()
+    rows = bench.main(
+        "--preset tiny --layers 2 --seq 64 --batch 2 --devices 2 --iters 0 --modes fsdp,cp "
+        "--config linear_head_dim=64 linear_v_head_dim=64 --implementation xla".split()
+    )
+    for r in rows:
+        assert 0 < r["grad_floor"] < 0.2 and bench.matches_one_device(r, 5e-3), r
+    assert not bench.matches_one_device(
+        {**rows[0], "grad_rel_rms_f32": 3 * rows[0]["grad_floor"]}, 5e-3
+    )
