@@ -19,6 +19,7 @@ only, this script sets ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`` and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -223,30 +224,72 @@ def bench_stages(s, x) -> dict:
 
 
 def bench_channel_stages(s, x, variant) -> dict:
-    """Per-kernel times of the GDN2/KDA pallas forward (padded layout, T a multiple of 64)."""
+    """Per-kernel times of the GDN2/KDA pallas forward and backward (padded layout, T a multiple
+    of 64), in the order :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs
+    them; ``…(sliced)`` times the sub-chunk-sliced variant of a backward kernel."""
     from gdn_jax.ops._channel_pallas import decay_last, kernel_beta
+    from pallas_kernels._tiles import LoopConfig
+    from pallas_kernels.channel.bwd_dh import channel_bwd_dh
+    from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
+    from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
     from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
-    from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
+    from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
 
     bf = jnp.bfloat16
     q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
     B, T, HV, K = s.B, s.T, s.HV, s.K
+    scale = K**-0.5
     G = jnp.cumsum(jnp.asarray(x["g"]).reshape(B, T // C, C, HV, K), 2).reshape(B, T, HV, K)
-    if variant == "kda":
+    scalar = variant == "kda"
+    if scalar:
         gates = (kernel_beta(jnp.asarray(x["beta"])), None)
     else:
         gates = (jnp.asarray(x["b"]), jnp.asarray(x["w"]))
-    icfg = ChannelIntraConfig(scalar_beta=variant == "kda")
+    icfg = ChannelIntraConfig(scalar_beta=scalar)
     intra = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, icfg))
-    qg, kg, w, u, aqk = intra(q, k, v, G, *gates)
+    qg, kg, wk, u, aqk = intra(q, k, v, G, *gates)
     dl = decay_last(G)
     h0 = jnp.zeros((B, HV, K, s.V), jnp.float32)
-    cfg = ChannelFwdConfig(scale=K**-0.5)
-    fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, cfg))
-    return {
+    fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, ChannelFwdConfig(scale=scale)))
+    times = {
         "chan_intra": time_jax(intra, (q, k, v, G, *gates)),
-        "chan_chunk_fwd": time_jax(fwd, (qg, kg, w, u, aqk, dl, h0)),
+        "chan_chunk_fwd": time_jax(fwd, (qg, kg, wk, u, aqk, dl, h0)),
     }
+    # backward: the kernels' inputs as channel_backward_pallas makes them
+    acfg = dataclasses.replace(icfg, store_a=True)
+    intra_a = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, acfg))
+    A = intra_a(q, k, v, G, *gates)[-1]
+    hcfg = ChannelFwdConfig(scale=scale, store_h=True)
+    hrec = jax.jit(lambda kg, wk, u, dl, h0: channel_chunk_fwd(None, kg, wk, u, None, dl, h0, hcfg))
+    h, vn = hrec(kg, wk, u, dl, h0)
+    do = jnp.asarray(x["do"], bf)
+    dht = jnp.zeros_like(h0)
+    dh_fn = jax.jit(lambda *a: channel_bwd_dh(*a, LoopConfig(scale=scale)))
+    dh, dvh, dvl, _ = dh_fn(qg, kg, wk, do, aqk, dl, dht)
+    gr, gl = reference_rows(G)
+    bk, w_gate = gates
+
+    def dqkw_fn(sliced):
+        return jax.jit(lambda *a: channel_bwd_dqkw(*a, scale=scale, sliced=sliced))
+
+    dqkw_args = (q, k, G, gr, gl, h, dh, vn, do, dvh, dvl)
+    dwk = dqkw_fn(False)(*dqkw_args)[2]
+
+    def wy_fn(sliced):
+        wcfg = ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced)
+        return jax.jit(lambda *a: channel_bwd_wy(*a, wcfg))
+
+    wy_args = (k, v, G, gr, gl, bk, w_gate, A, dwk, dvh, dvl)
+    times.update({
+        "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),
+        "chan_chunk_h": time_jax(hrec, (kg, wk, u, dl, h0)),
+        "chan_bwd_dh": time_jax(dh_fn, (qg, kg, wk, do, aqk, dl, dht)),
+        "chan_bwd_dqkw": time_jax(dqkw_fn(False), dqkw_args),
+        "chan_bwd_dqkw(sliced)": time_jax(dqkw_fn(True), dqkw_args),
+        "chan_bwd_wy": time_jax(wy_fn(False), wy_args),
+        "chan_bwd_wy(sliced)": time_jax(wy_fn(True), wy_args),
+    })  # fmt: skip
+    return times
 
 
 def bench_fla(s, x, variant="gdn", fwd_only=False) -> dict:
