@@ -256,6 +256,50 @@ def main(argv=None) -> int:
     kw = dict(offload_fraction=args.offload_fraction, offload_threshold=args.offload_threshold)
     ok = True
     setups, saved = {}, {}
+
+    def run_and_compare(backend: str, v: str) -> bool:
+        """Runs variant ``v`` of ``backend``, prints its checksum and, unless it is (a) itself,
+        its comparison with (a); False when (b) is not bitwise (a)."""
+        s = setups[backend]
+        if time.perf_counter() - start > args.budget_s:
+            print(f"fp8={backend:6s} {v:8s} skipped (budget)")
+            return True
+        steps = args.nojit_steps if v == "nojit" else STEPS
+        r = run_variant(s, v, steps=steps, **kw)
+        r = jax.tree.map(np.asarray, r)  # to host: keeps device memory for the next run
+        losses = r["losses"]
+        print(
+            f"fp8={backend:6s} {v:8s} {checksum(r)}  loss[0]={losses[0, 0]:.6f} "
+            f"loss[-1]={losses[-1, -1]:.6f}  {r['seconds']:.1f}s",
+            flush=True,
+        )
+        if v == "save":
+            saved[backend] = r
+            return True
+        ref = saved.get(backend)
+        if ref is None:
+            return True
+        if steps != STEPS:  # compare the steps both ran
+            ref = dict(ref, losses=ref["losses"][:steps], grads=ref["grads"][:steps])
+            r = dict(r, params=ref["params"], opt_state=ref["opt_state"])
+        equal, worst = compare(ref, r)
+        l1, g1 = first_step_diff(ref, r)
+        print(
+            f"    save vs {v:8s}: bitwise={equal}  max rel diff={worst:.3g}  "
+            f"step 1: loss rel diff {l1:.2g}, grads rel RMS {g1:.2g}",
+            flush=True,
+        )
+        report.append(
+            dict(fp8=backend, variant=v, steps=steps, bitwise=equal, max_rel_diff=worst,
+                 step1_loss_rel=l1, step1_grad_rel_rms=g1,
+                 checksum=checksum(r), checksum_save=checksum(ref))
+        )  # fmt: skip
+        return equal or v != "offload"
+
+    variants = args.variants.split(",")
+    first = [v for v in ("save", "offload") if v in variants]
+    # Backend by backend, (a) and (b) right after the backend's setup (which compiles), so a
+    # budget cut drops the extras (c), (d) first.
     for backend in args.fp8.split(","):
         try:
             setups[backend] = make_setup(
@@ -273,46 +317,11 @@ def main(argv=None) -> int:
         moved = offloaded(setups[backend], "offload", **kw)
         print(f"fp8={backend}: the offload variant moves {len(moved)} tensors to host: {moved}")
         ok &= bool(moved)
-    # Variant-major order: (a) and (b) of every backend first, so a budget cut drops extras.
-    variants = args.variants.split(",")
-    order = [v for v in ("save", "offload") if v in variants]
-    order += [v for v in variants if v not in ("save", "offload")]
-    for v in order:
-        for backend, s in setups.items():
-            if time.perf_counter() - start > args.budget_s:
-                print(f"fp8={backend:6s} {v:8s} skipped (budget)")
-                continue
-            steps = args.nojit_steps if v == "nojit" else STEPS
-            r = run_variant(s, v, steps=steps, **kw)
-            r = jax.tree.map(np.asarray, r)  # to host: keeps device memory for the next run
-            losses = r["losses"]
-            print(
-                f"fp8={backend:6s} {v:8s} {checksum(r)}  loss[0]={losses[0, 0]:.6f} "
-                f"loss[-1]={losses[-1, -1]:.6f}  {r['seconds']:.1f}s",
-                flush=True,
-            )
-            if v == "save":
-                saved[backend] = r
-                continue
-            ref = saved.get(backend)
-            if ref is None:
-                continue
-            if steps != STEPS:  # compare the steps both ran
-                ref = dict(ref, losses=ref["losses"][:steps], grads=ref["grads"][:steps])
-                r = dict(r, params=ref["params"], opt_state=ref["opt_state"])
-            equal, worst = compare(ref, r)
-            l1, g1 = first_step_diff(ref, r)
-            print(
-                f"    save vs {v:8s}: bitwise={equal}  max rel diff={worst:.3g}  "
-                f"step 1: loss rel diff {l1:.2g}, grads rel RMS {g1:.2g}"
-            )
-            report.append(
-                dict(fp8=backend, variant=v, steps=steps, bitwise=equal, max_rel_diff=worst,
-                     step1_loss_rel=l1, step1_grad_rel_rms=g1,
-                     checksum=checksum(r), checksum_save=checksum(ref))
-            )  # fmt: skip
-            if v == "offload":
-                ok &= equal
+        for v in first:
+            ok &= run_and_compare(backend, v)
+    for v in (v for v in variants if v not in first):
+        for backend in setups:
+            ok &= run_and_compare(backend, v)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(args=vars(args), ok=ok, rows=report)))
     print("PASS" if ok else "FAIL")
