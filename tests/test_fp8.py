@@ -347,6 +347,16 @@ def test_native_lowers_to_fp8_dots_for_cuda():
     assert sum("f8E5M2" in d and "f8E4M3FN" in d for d in dots) == 2, dots
 
 
+@pytest.mark.gpu
+def test_native_compiles_to_cublaslt_fp8_gemms():
+    """On the H200 the native backend's forward and both backward products compile to cuBLASLt
+    FP8 GEMMs (XLA's ``__cublas$lt$matmul$f8`` custom calls), not to upcast BF16 GEMMs."""
+    x, w = _xw(jnp.bfloat16)
+    loss = lambda a, b: fp8.native_fp8_dot_general(a, b, DN).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, w).compile().as_text()
+    assert hlo.count("cublas$lt$matmul$f8") == 3, hlo
+
+
 # -- the TE backend's glue, against a stand-in for TE ----------------------------------------
 
 
