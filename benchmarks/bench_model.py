@@ -17,9 +17,10 @@ offloadall (every named tensor offloaded), remat (everything recomputed)}.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,13 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from gdn_jax import fp8, remat  # noqa: E402
 from gdn_jax.models import HybridLM, get_config  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location(
-    "gpu_equivalence", ROOT / "scripts/gpu_equivalence.py"
-)
-_ge = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_equivalence"] = _ge
-_spec.loader.exec_module(_ge)
 
 DEFAULT = "bf16+save,bf16+offload,native+save,native+offload,bf16+none,bf16+remat,te+save"
 
@@ -78,9 +72,9 @@ def bench(setting: str, args) -> dict:
     tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, 1000)
 
     def loss_fn(params):
-        logits = _ge.forward(nnx.merge(graphdef, params), tokens[:, :-1], policies)
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+        model = nnx.merge(graphdef, params)
+        x = model.hidden(tokens[:, :-1], remat_policies=policies)
+        return model.loss(x, tokens[:, 1:])[0]
 
     def step(params, opt_state):
         loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -140,14 +134,22 @@ def main(argv=None) -> int:
     print(
         head + f" {'peak GiB':>9s} {'S(5)':>5s} {'f8 ops':>6s} {'f8 GEMMs':>8s} {'compile s':>9s}"
     )
-    for setting in args.settings.split(","):
+    settings = args.settings.split(",")
+    for setting in settings:
         if time.perf_counter() - start > args.budget_s:
             print(f"{setting:16s} skipped (budget)")
             continue
-        try:
-            r = bench(setting, args)
-        except fp8.TEUnavailableError as e:
-            print(f"{setting:16s} not run: {str(e)[:100]}")
+        if len(settings) > 1:
+            # one process per setting: the device's peak-bytes counter cannot be reset, and
+            # compiled executables of earlier settings would stay resident
+            r = _run_child(argv, setting)
+        else:
+            try:
+                r = bench(setting, args)
+            except fp8.TEUnavailableError as e:
+                r = None
+                print(f"{setting:16s} not run: {str(e)[:100]}")
+        if r is None:
             continue
         rows.append(r)
         print(
@@ -159,6 +161,26 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
     return 0
+
+
+def _run_child(argv, setting: str) -> dict | None:
+    """Runs one setting in a fresh interpreter; its row, or None (the child's output says why)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for flag in ("--settings", "--json"):  # drop the parent's values of these
+        while flag in argv:
+            i = argv.index(flag)
+            del argv[i : i + 2]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, __file__, *argv, "--settings", setting, "--json", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode or not out.exists():
+            print(f"{setting:16s} failed (rc {proc.returncode}): {proc.stderr.strip()[-300:]}")
+            return None
+        rows = json.loads(out.read_text())["rows"]
+        if not rows:
+            print(f"{setting:16s} " + proc.stdout.strip().splitlines()[-1][17:])
+        return rows[0] if rows else None
 
 
 if __name__ == "__main__":

@@ -59,9 +59,9 @@ def _model(config, implementation, dtype, mesh):
 def _step_fn(graphdef, tx, constrain):
     def loss_fn(params, tokens):
         inputs, targets = constrain(tokens)
-        logits = nnx.merge(graphdef, params)(inputs)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+        model = nnx.merge(graphdef, params)
+        # one chunk: the sequence axis may be sharded (context parallel)
+        return model.loss(model.hidden(inputs), targets, chunk=None)[0]
 
     def step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)

@@ -118,15 +118,6 @@ def _implementation(choice: str | None):
     return ("pallas", "xla") if jax.default_backend() == "gpu" else "xla"
 
 
-def _loss(logits, batch):
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-    mask = batch["mask"]
-    n = jnp.maximum(mask.sum(), 1.0)
-    correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-    return (nll * mask).sum() / n, (correct * mask).sum() / n
-
-
 def _plot(history: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -255,8 +246,10 @@ def main(argv: list[str] | None = None) -> dict:
             return batch
         return jax.lax.with_sharding_constraint(batch, sharding.batch_sharding(mesh, rules))
 
-    def forward(params, batch, meta):
-        return _loss(nnx.merge(graphdef, params, meta)(batch["inputs"]), batch)
+    def forward(params, batch, meta):  # (loss, accuracy); the head never holds all logits
+        model = nnx.merge(graphdef, params, meta)
+        x = model.hidden(batch["inputs"])
+        return model.loss(x, batch["targets"], mask=batch["mask"])
 
     @jax.jit(donate_argnums=(0, 1))
     def train_step(params, opt_state, step, meta):

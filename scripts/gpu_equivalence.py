@@ -29,7 +29,6 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -52,25 +51,6 @@ _ACTION = {
     "rematall": ("remat", "remat"),
     "nojit": ("save", "save"),
 }
-
-
-def forward(model: HybridLM, tokens: jax.Array, policies: Sequence[Callable | None]) -> jax.Array:
-    """``HybridLM.__call__`` for unpacked batches with layer ``i`` under ``jax.checkpoint`` with
-    ``policies[i]`` (None: no checkpoint). Logits [B, T, vocab] f32."""
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-
-    def run(layer, x, positions):
-        return layer(x, positions=positions, mask=None, cu_seqlens=None)
-
-    x = model.embed(tokens)
-    for layer, policy in zip(model.layers, policies, strict=True):
-        f = run if policy is None else nnx.remat(run, policy=policy, prevent_cse=True)
-        x = f(layer, x, positions)
-    x = model.norm(x)
-    c = model.config
-    logits = model.embed.attend(x) if c.tie_embeddings else model.lm_head(x)
-    return logits.astype(jnp.float32)
 
 
 @dataclasses.dataclass
@@ -106,9 +86,8 @@ def make_step(s: Setup, policies, *, scan: bool = True):
 
     def loss_fn(params, tokens):
         model = nnx.merge(s.graphdef, params)
-        logits = forward(model, tokens[:, :-1], policies)
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+        x = model.hidden(tokens[:, :-1], remat_policies=policies)
+        return model.loss(x, tokens[:, 1:])[0]
 
     def micro(acc, tokens):
         loss, g = jax.value_and_grad(loss_fn)(params_, tokens)

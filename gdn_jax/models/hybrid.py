@@ -319,6 +319,24 @@ class HybridLM(nnx.Module):
         Returns:
           [B, T, vocab] logits in f32.
         """
+        return self._logits(self.hidden(tokens, cu_seqlens=cu_seqlens))
+
+    def hidden(
+        self,
+        tokens: jax.Array,
+        *,
+        cu_seqlens: jax.Array | None = None,
+        remat_policies: Sequence[Callable | None] | None = None,
+    ) -> jax.Array:
+        """The decoder stack's output before the final norm and the LM head.
+
+        Args: as for ``__call__``; ``remat_policies`` (one per layer) overrides the model's own
+        for this call (e.g. to compare policies on the same parameters).
+        Returns: [B, T, hidden] in the compute dtype.
+        """
+        policies = self.remat_policies if remat_policies is None else tuple(remat_policies)
+        if len(policies) != len(self.layers):
+            raise ValueError(f"{len(policies)=} must equal the number of layers {len(self.layers)}")
         B, T = tokens.shape
         t = jnp.arange(T, dtype=jnp.int32)
         if cu_seqlens is None:
@@ -329,7 +347,7 @@ class HybridLM(nnx.Module):
             # Same sequence (same start) and causal.
             mask = ((start[:, None] == start[None, :]) & (t[:, None] >= t[None, :]))[None, None]
         x = self.embed(tokens)
-        for layer, policy in zip(self.layers, self.remat_policies, strict=True):
+        for layer, policy in zip(self.layers, policies, strict=True):
             if policy is None:
                 x = layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
             else:
@@ -337,7 +355,68 @@ class HybridLM(nnx.Module):
                 x = nnx.remat(_call_layer, policy=policy, prevent_cse=True)(
                     layer, x, positions, mask, cu_seqlens
                 )
-        return self._logits(x)
+        return x
+
+    def loss(
+        self,
+        x: jax.Array,
+        targets: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        chunk: int | None = 512,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Mean next-token cross-entropy and accuracy of the hidden states ``x``, computed
+        ``chunk`` positions at a time so that the [B, T, vocab] f32 logits never exist at once.
+
+        The logits of a 248k vocabulary are 3.8 GiB in f32 at B·T = 4096, more than all 24
+        layers' saved activations of ``qwen3_5_0_8b``: a training step that materialises them
+        peaks there, and the memory effect of remat/offload is hidden under them. Each chunk's
+        logits are recomputed in the backward pass (``jax.checkpoint``), so the head costs one
+        extra [B, chunk, hidden] × [hidden, vocab] product per chunk.
+
+        Args:
+          x: [B, T, hidden] from :meth:`hidden`.
+          targets: [B, T] int next-token ids.
+          mask: optional [B, T] weights (1: counted, 0: padding); default all ones.
+          chunk: positions per chunk; ``None`` (or ≥ T): one chunk, the plain computation. T must
+            be a multiple of ``chunk`` otherwise.
+        Returns:
+          (loss, accuracy): f32 scalars, means over the weighted positions.
+        """
+        B, T = targets.shape
+        if x.shape[:2] != (B, T):
+            raise ValueError(f"{x.shape=} must be [B, T, hidden] with [B, T] = {targets.shape=}")
+        if mask is None:
+            mask = jnp.ones((B, T), jnp.float32)
+        elif mask.shape != (B, T):
+            raise ValueError(f"{mask.shape=} must equal {targets.shape=}")
+        mask = mask.astype(jnp.float32)
+
+        def sums(x, targets, mask):  # [B, c, D], [B, c], [B, c] -> (Σ nll, Σ correct)
+            logits = self._logits(x)
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+            correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+            return jnp.sum((lse - target) * mask), jnp.sum(correct * mask)
+
+        if chunk is None or chunk >= T:
+            nll, correct = sums(x, targets, mask)
+        else:
+            if chunk <= 0 or T % chunk:
+                raise ValueError(f"{chunk=} must be positive and divide T = {T}")
+            n = T // chunk
+            split = lambda a: a.reshape(B, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+            body = jax.checkpoint(lambda xs: sums(*xs))  # logits recomputed in the backward
+
+            def step(acc, xs):
+                return jax.tree.map(jnp.add, acc, body(xs)), None
+
+            zero = jnp.zeros((), jnp.float32)
+            (nll, correct), _ = jax.lax.scan(
+                step, (zero, zero), (split(x), split(targets), split(mask))
+            )
+        n_tok = jnp.maximum(jnp.sum(mask), 1.0)
+        return nll / n_tok, correct / n_tok
 
     def _logits(self, x):
         x = self.norm(x)

@@ -112,3 +112,35 @@ def test_decode_equals_forward():
         outs.append(logits)
     assert int(cache.pos) == 12
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=2e-5)
+
+
+def test_chunked_loss_equals_full_logits_loss():
+    """``loss`` over 16-position chunks equals cross-entropy of the full logits (value, accuracy
+    and gradients), weights padding by ``mask``, and never builds the [B, T, vocab] logits."""
+    model = HybridLM(get_config("tiny"), implementation="xla", rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jax.random.randint(jax.random.key(1), (2, 65), 0, 256)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    mask = jnp.ones((2, 64)).at[1, 40:].set(0.0)
+
+    def chunked(params, chunk):
+        m = nnx.merge(graphdef, params)
+        return m.loss(m.hidden(inputs), targets, mask=mask, chunk=chunk)
+
+    def full(params):
+        logits = nnx.merge(graphdef, params)(inputs)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+        acc = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+        return jnp.sum(nll * mask) / jnp.sum(mask), jnp.sum(acc * mask) / jnp.sum(mask)
+
+    (loss, acc), grads = jax.value_and_grad(chunked, has_aux=True)(params, 16)
+    (want, want_acc), want_grads = jax.value_and_grad(full, has_aux=True)(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    np.testing.assert_allclose(acc, want_acc, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(chunked(params, None)[0], want, rtol=1e-5)
+    hlo = jax.jit(jax.grad(lambda p: chunked(p, 16)[0])).lower(params).as_text()
+    assert "2x64x256xf32" not in hlo and "2x16x256xf32" in hlo
+    with pytest.raises(ValueError, match="chunk"):
+        chunked(params, 24)
