@@ -269,14 +269,14 @@ def bench_channel_stages(s, x, variant) -> dict:
     gr, gl = reference_rows(G)
     bk, w_gate = gates
 
-    def dqkw_fn(sliced):
-        return jax.jit(lambda *a: channel_bwd_dqkw(*a, scale=scale, sliced=sliced))
+    def dqkw_fn(sliced, k_split=False):
+        return jax.jit(lambda *a: channel_bwd_dqkw(*a, scale=scale, sliced=sliced, k_split=k_split))
 
     dqkw_args = (q, k, G, gr, gl, h, dh, vn, do, dvh, dvl)
     dwk = dqkw_fn(False)(*dqkw_args)[2]
 
-    def wy_fn(sliced):
-        wcfg = ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced)
+    def wy_fn(sliced, k_split=False):
+        wcfg = ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=k_split)
         return jax.jit(lambda *a: channel_bwd_wy(*a, wcfg))
 
     wy_args = (k, v, G, gr, gl, bk, w_gate, A, dwk, dvh, dvl)
@@ -286,8 +286,10 @@ def bench_channel_stages(s, x, variant) -> dict:
         "chan_bwd_dh": time_jax(dh_fn, (qg, kg, wk, do, aqk, dl, dht)),
         "chan_bwd_dqkw": time_jax(dqkw_fn(False), dqkw_args),
         "chan_bwd_dqkw(sliced)": time_jax(dqkw_fn(True), dqkw_args),
+        "chan_bwd_dqkw(k_split)": time_jax(dqkw_fn(False, True), dqkw_args),
         "chan_bwd_wy": time_jax(wy_fn(False), wy_args),
         "chan_bwd_wy(sliced)": time_jax(wy_fn(True), wy_args),
+        "chan_bwd_wy(k_split)": time_jax(wy_fn(False, True), wy_args),
     })  # fmt: skip
     return times
 

@@ -218,9 +218,16 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
     ``a`` is an SMEM ref (or a register value), ``b`` an SMEM ref; either may be a transposed
     16-bit ref view. The accumulator lives in its own scope (REGS cannot share a scope).
     """
+    return matmul_sum(((a, b),), shape)
+
+
+def matmul_sum(pairs, shape: tuple[int, int]) -> jax.Array:
+    """``Σ a @ b`` over the ``(a, b)`` operand pairs (as for :func:`matmul`) in one f32
+    accumulator, e.g. a product with an f32 operand staged as two 16-bit terms hi + lo."""
 
     def body(acc):
-        plgpu.wgmma(acc, a, b)
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
         plgpu.wgmma_wait(0)
         return acc[...]
 

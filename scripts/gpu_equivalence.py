@@ -121,15 +121,25 @@ def policies_for(variant: str, num_layers: int, **kw):
 
 
 def run_variant(
-    s: Setup, variant: str, *, steps: int = STEPS, compiler_options=None, **policy_kw
+    s: Setup,
+    variant: str,
+    *,
+    steps: int = STEPS,
+    compiler_options=None,
+    hlo_path: str | None = None,
+    **policy_kw,
 ) -> dict:
     """``steps`` optimizer steps; returns losses [steps, MICRO], per-step grads, final params
-    and optimizer state, and the wall time (compile included)."""
+    and optimizer state, and the wall time (compile included). ``hlo_path``: also write the
+    optimised HLO of the jitted step there (to diff the programs of two variants)."""
     jit = variant != "nojit"
     step = make_step(s, policies_for(variant, s.num_layers, **policy_kw), scan=jit)
+    params, opt_state = s.params, s.tx.init(s.params)
     if jit:
         step = jax.jit(step, compiler_options=compiler_options)
-    params, opt_state = s.params, s.tx.init(s.params)
+        if hlo_path:
+            compiled = step.lower(params, opt_state, s.data[0]).compile()
+            Path(hlo_path).write_text(compiled.as_text())
     losses, grads = [], []
     t0 = time.perf_counter()
     for i in range(steps):
@@ -224,8 +234,11 @@ def main(argv=None) -> int:
     p.add_argument("--offload-fraction", type=float, default=1.0)
     p.add_argument("--nojit-steps", type=int, default=STEPS, help="steps of the op-by-op run")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new variants")
+    p.add_argument("--hlo-dir", default=None, help="write each jitted variant's optimised HLO here")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.hlo_dir:
+        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
     if "te" in args.fp8.split(","):
         fp8.te_available()  # import TE before JAX loads its CUDA libraries (see fp8.import_te)
     start = time.perf_counter()
@@ -244,7 +257,8 @@ def main(argv=None) -> int:
             print(f"fp8={backend:6s} {v:8s} skipped (budget)")
             return True
         steps = args.nojit_steps if v == "nojit" else STEPS
-        r = run_variant(s, v, steps=steps, **kw)
+        hlo = f"{args.hlo_dir}/{backend}_{v}.hlo.txt" if args.hlo_dir and v != "nojit" else None
+        r = run_variant(s, v, steps=steps, hlo_path=hlo, **kw)
         r = jax.tree.map(np.asarray, r)  # to host: keeps device memory for the next run
         losses = r["losses"]
         print(

@@ -35,7 +35,9 @@ CHUNK = 64
 f32 = jnp.float32
 
 
-def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float, sliced: bool = False):
+def channel_backward_pallas(
+    q, k, v, G, b, w, h0, do, dht, *, scale: float, sliced: bool = False, k_split: bool = True
+):
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
 
     Args:
@@ -49,6 +51,11 @@ def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float, slic
       sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices
         (a quarter of their tensor-core work; checked under the CPU interpreter and the CUDA
         lowering only, never run on the GPU, hence off by default).
+      k_split: the dq/dk/dw and WY kernels run two CTAs per chunk and value head, one per
+        64-column half of K: half-size register tiles and under half the SMEM per CTA, so two
+        CTAs share an SM (K = 128; at K = 64 the one-CTA kernels already have those tiles and
+        run instead). On the H200 at B4 T4096 HV16 it halves both kernels' time (2.39 vs 4.88
+        ms and 2.27 vs 4.34 ms, benchmarks/RESULTS.md session 5), hence the default.
     Returns:
       (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
       db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32).
@@ -59,6 +66,7 @@ def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float, slic
     nt = T // CHUNK
     dt = q.dtype
     scalar = w is None
+    k_split = k_split and K == 128
     do = do.astype(dt)
     dht = dht.astype(f32)
     gr, gl = reference_rows(G)
@@ -72,7 +80,7 @@ def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float, slic
     )
     dh, dvh, dvl, dh0 = channel_bwd_dh(qg, kg, wk, do, aqk, egl, dht, LoopConfig(scale=scale))
     dq, dk_a, dwk, dG_a = channel_bwd_dqkw(
-        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced
+        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced, k_split=k_split
     )
     outs = channel_bwd_wy(
         k,
@@ -86,7 +94,7 @@ def channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, *, scale: float, slic
         dwk,
         dvh,
         dvl,
-        ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced),
+        ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=k_split),
     )
     if scalar:
         dk_b, dv, dG_b, dbeta = outs

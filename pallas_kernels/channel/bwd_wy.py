@@ -24,6 +24,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
@@ -40,15 +41,37 @@ class ChannelBwdWyConfig:
     Attributes:
       scalar_beta: KDA (one β per token and value head, [B, HV, T]); else GDN2 gates.
       sliced: form the decayed "cols" product with 16-deep contractions over sub-chunk slices.
+      k_split: two CTAs per (chunk, value head), each producing one 64-column half of the key-
+        and value-side outputs (K == V == 128 only): [C, 64] register tiles and ≤ 90 KB of SMEM
+        per CTA, so two CTAs share an SM (see :func:`_split_body`).
     """
 
     scalar_beta: bool = False
     sliced: bool = False
+    k_split: bool = False
 
     def __post_init__(self):
-        for name in ("scalar_beta", "sliced"):
+        for name in ("scalar_beta", "sliced", "k_split"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ChannelBwdWyConfig.{name}={getattr(self, name)!r} must be a bool")
+
+
+def _neg_inverse_product(dec, m_s, a_s, dA) -> jax.Array:
+    """dL = −Aᵀ (dA Aᵀ) [C, C] f32 (the caller keeps its strict lower triangle). dA and dA Aᵀ go
+    through the tensor cores as hi + lo (≈ f32) via the 16-bit SMEM tile ``m_s``, so dL is
+    rounded to 16 bits once, by the caller (the rounding its two uses share)."""
+    C = dA.shape[0]
+    t1 = None
+    for part in (0, 1):
+        dec.stage(m_s, dA, part)
+        t = cp.matmul(m_s, a_s.T, (C, C))
+        t1 = t if t1 is None else t1 + t
+    dL = None
+    for part in (0, 1):
+        dec.stage(m_s, t1, part)
+        t = cp.matmul(a_s.T, m_s, (C, C))
+        dL = -t if dL is None else dL - t
+    return dL
 
 
 def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
@@ -110,21 +133,9 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         x_s[...] = (wgt * vt).astype(dt)
         plgpu.commit_smem()
 
-        def du_mm(acc):
-            plgpu.wgmma(acc, duh_s, x_s.T)
-            plgpu.wgmma(acc, dul_s, x_s.T)
-            plgpu.wgmma_wait(0)
-            return acc[...]
+        dA = dA + cp.matmul_sum(((duh_s, x_s.T), (dul_s, x_s.T)), (C, C))
 
-        dA = dA + pl.run_scoped(du_mm, plgpu.ACC((C, C), f32))
-
-        def dwv_mm(acc):
-            plgpu.wgmma(acc, a_s.T, duh_s)
-            plgpu.wgmma(acc, a_s.T, dul_s)
-            plgpu.wgmma_wait(0)
-            return acc[...]
-
-        dwv = pl.run_scoped(dwv_mm, plgpu.ACC((C, V), f32))
+        dwv = cp.matmul_sum(((a_s.T, duh_s), (a_s.T, dul_s)), (C, V))
         dv = dwv * wgt
         dwg = dwv * vt
         if scalar:
@@ -135,18 +146,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(x_s, dv_g.at[b, rows, hv, :])
 
-        # dL = −Aᵀ (dA Aᵀ), strict lower: dA and dA Aᵀ go through the tensor cores as hi + lo
-        # (≈ f32), so dL is rounded to 16 bits once (the rounding its two uses share)
-        t1 = None
-        for part in (0, 1):
-            dec.stage(m_s, dA, part)
-            t = cp.matmul(m_s, a_s.T, (C, C))
-            t1 = t if t1 is None else t1 + t
-        dL = None
-        for part in (0, 1):
-            dec.stage(m_s, t1, part)
-            t = cp.matmul(a_s.T, m_s, (C, C))
-            dL = -t if dL is None else dL - t
+        dL = _neg_inverse_product(dec, m_s, a_s, dA)  # strict lower part kept below
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
         m_s[...] = jnp.where(row > col, dL, 0.0).astype(dt)
@@ -202,6 +202,231 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
     )
 
 
+# ------------------------------------------------------------------------------------------------
+# K-split form: two CTAs per (chunk, value head, batch row), each owning one 64-column half.
+
+HALF = 64
+
+
+class _Bars:
+    """Hands out the barriers of one SMEM array in order: every TMA load of the kernel gets its
+    own barrier, waited on once (so no phase bookkeeping across scopes that reuse memory)."""
+
+    def __init__(self, bar):
+        self.bar = bar
+        self.next = 0
+
+    def load(self, copies, *, wait: bool = True) -> list[int]:
+        """Issues the GMEM→SMEM ``copies`` ((GMEM view, SMEM ref) pairs); waits for them unless
+        ``not wait`` (then the caller waits on the returned barrier indices)."""
+        ids = []
+        for src, dst in copies:
+            plgpu.copy_gmem_to_smem(src, dst, self.bar.at[self.next])
+            ids.append(self.next)
+            self.next += 1
+        if wait:
+            self.wait(ids)
+        return ids
+
+    def wait(self, ids) -> None:
+        for i in ids:
+            plgpu.barrier_wait(self.bar.at[i])
+
+
+def _split_body(*refs, scalar: bool, group: int, sliced: bool):
+    """One CTA per (chunk, value head, K-half): grid axis "h" runs over 2·HV, h = 2 hv + kh.
+
+    Each CTA forms the whole [C, C] dA (a contraction over all of K and V, done in 64-column
+    passes), hence dL, and then only the K-half ``kh`` of dk, dG, db and the V-half ``kh`` of
+    dv, dw_gate (KDA: a partial dβ over both halves, summed by the launcher). The passes run in
+    four nested SMEM scopes, so the SMEM of a pass is reused by the next one:
+
+        1. other V-half:  dA += du (w_gate ⊙ v)ᵀ
+        2. own V-half:    dA += du (w_gate ⊙ v)ᵀ;  dwv = Aᵀ du → dv, dw_gate (partial dβ)
+        3. other K-half:  dA += dw (bk ⊙ e^G)ᵀ
+        4. own K-half:    dA += dw (bk ⊙ e^G)ᵀ;  dL;  dk, dG, db (partial dβ)
+
+    Every register tile is [C, 64] f32 (32 registers a thread). SMEM bytes per CTA, bf16 io,
+    GDN2 / KDA (a KDA-only or GDN2-only buffer is a 32-byte placeholder in the other variant):
+
+        persistent  A 8192, operand scratch 8192, dA/dL 8192, dβ 256, β 256 (KDA),
+                    barriers 19 / 16 × 8                                 25 016 / 25 216
+        pass 1, 2   du hi 8192, du lo 8192, v 8192, w_gate 16384 (GDN2) 40 960 / 24 608
+        pass 3      k 8192, G 16384, b 16384 (GDN2), dw 8192, 3 placeholders 96
+                                                                         49 248 / 32 896
+        pass 4      k, G, b, dw as pass 3, reference rows 1024, G_last 256,
+                    f32 staging 16384                                    66 816 / 50 464
+
+    Peak (persistent + pass 4): 91 832 B ≈ 90 KiB (GDN2) / 75 680 B ≈ 74 KiB (KDA), against
+    215 928 B / 183 376 B unsplit (by the same count), so two CTAs share an SM (228 KiB); alignment
+    padding comes on top. Measured on the H200 (B=4, T=4096, HV=16): 2.0–2.4 ms (KDA) and
+    2.9–3.1 ms (GDN2) against 4.3–4.9 ms unsplit; ptxas still reports 255 registers with
+    100–290 bytes of spills (unsplit: 3–4.4 KB).
+    """
+    if scalar:
+        k_g, v_g, g_g, gr_g, gl_g, be_g, a_g, dw_g, duh_g, dul_g = refs[:10]
+        dk_g, dv_g, dg_g, dbe_g = refs[10:]
+        b_g = wg_g = None
+    else:
+        k_g, v_g, g_g, gr_g, gl_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g = refs[:11]
+        dk_g, dv_g, dg_g, db_g, dwg_g = refs[11:]
+        be_g = None
+    C, H2 = CHUNK, HALF
+    c = lax.axis_index("c")
+    h2 = lax.axis_index("h")
+    b = lax.axis_index("b")
+    hv = lax.shift_right_logical(h2, 1)
+    kh = lax.bitwise_and(h2, 1)
+    hk = hv // group
+    rows = pl.ds(c * C, C)
+    own = pl.ds(kh * H2, H2)  # this CTA's K-half (and V-half) of the columns
+    other = pl.ds((1 - kh) * H2, H2)
+    dt = k_g.dtype
+
+    def outer(a_s, x_s, m_s, vec_s, be_s, bar):
+        bars = _Bars(bar)
+        # A is first needed in pass 2: its load overlaps pass 1
+        (a_id,) = bars.load([(a_g.at[b, rows, hv, :], a_s)], wait=False)
+        if scalar:
+            bars.load([(be_g.at[b, hv, rows], be_s)])
+
+        def beta_tile():
+            return cp.bcast_rows(cp.row_vec(be_s), (C, H2))
+
+        def v_pass(cols, is_own: bool, dA):
+            """dA + du[:, cols] (w_gate ⊙ v)[:, cols]ᵀ; own half: also dv, dw_gate (dβ part)."""
+
+            def scoped(duh_s, dul_s, v_s, wg_s):
+                srcs = [
+                    (duh_g.at[b, rows, hv, cols], duh_s),
+                    (dul_g.at[b, rows, hv, cols], dul_s),
+                    (v_g.at[b, rows, hv, cols], v_s),
+                ]
+                if not scalar:
+                    srcs.append((wg_g.at[b, rows, hv, cols], wg_s))
+                bars.load(srcs)
+                vt = cp.load_tile(v_s).astype(f32)
+                wgt = beta_tile() if scalar else cp.load_tile(wg_s)
+                x_s[...] = (wgt * vt).astype(dt)
+                plgpu.commit_smem()
+
+                part = cp.matmul_sum(((duh_s, x_s.T), (dul_s, x_s.T)), (C, C))
+                dA_out = part if dA is None else dA + part
+                if not is_own:
+                    return dA_out, None
+                bars.wait([a_id])
+
+                dwv = cp.matmul_sum(((a_s.T, duh_s), (a_s.T, dul_s)), (C, H2))
+                dwg = dwv * vt
+                dbe = None
+                if scalar:
+                    dbe = jnp.sum(dwg, axis=1)
+                else:  # the write-gate tile is in registers: it stages dw_gate
+                    emit_tile(dwg, wg_s, dwg_g.at[b, rows, hv, cols])
+                # dv leaves in the io dtype through the operand scratch (du_mm has read it)
+                emit_tile((dwv * wgt).astype(dt), x_s, dv_g.at[b, rows, hv, cols])
+                return dA_out, dbe
+
+            return pl.run_scoped(
+                scoped,
+                slice_smem((C, H2), dt, sliced),  # du hi
+                slice_smem((C, H2), dt, sliced),  # du lo
+                cp.smem((C, H2), dt),  # v
+                cp.smem((8,), f32) if scalar else cp.smem((C, H2), f32),  # w_gate (GDN2)
+            )
+
+        def k_pass(cols, is_own: bool, dA, dbe):
+            """dA + dw[:, cols] (bk ⊙ e^G)[:, cols]ᵀ; own half: then dL, dk, dG, db (dβ)."""
+
+            def scoped(k_s, g_s, b_s, dw_s, gr_s, gl_s, st_s):
+                srcs = [
+                    (k_g.at[b, rows, hk, cols], k_s),
+                    (g_g.at[b, rows, hv, cols], g_s),
+                    (dw_g.at[b, rows, hv, cols], dw_s),
+                ]
+                if not scalar:
+                    srcs.append((b_g.at[b, rows, hv, cols], b_s))
+                if is_own:
+                    srcs += [
+                        (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), cols], gr_s),
+                        (gl_g.at[b, hv, c, cols], gl_s),
+                    ]
+                bars.load(srcs)
+                k = cp.load_tile(k_s).astype(f32)
+                gate = beta_tile() if scalar else cp.load_tile(b_s)
+                bk = gate * k
+                eG = jnp.exp(cp.load_tile(g_s))
+                x_s[...] = (bk * eG).astype(dt)
+                plgpu.commit_smem()
+                dA_out = dA + cp.matmul(dw_s, x_s.T, (C, C))
+                if not is_own:
+                    return dA_out
+
+                # dL = −Aᵀ (dA Aᵀ), strict lower, through the tensor cores as hi + lo (as unsplit)
+                dec = Decay(g_s, gr_s, gl_s, dt)  # [C, 64]: the decays of this K-half only
+                dL = _neg_inverse_product(dec, m_s, a_s, dA_out)
+                lower = cp.iota((C, C), 0) > cp.iota((C, C), 1)  # built here: no live masks before
+                m_s[...] = jnp.where(lower, dL, 0.0).astype(dt)
+                plgpu.commit_smem()
+
+                # The tail keeps few [C, 64] tiles live (no spills): dkL is formed first and
+                # parked in the f32 staging tile while dbk is formed; k, the gate and e^G are
+                # reloaded from SMEM where needed instead of being held across the products.
+                def gate_tile():
+                    return beta_tile() if scalar else cp.load_tile(b_s)
+
+                def k_tile():
+                    return cp.load_tile(k_s).astype(f32)
+
+                dkl = dec.cols(m_s, gate_tile() * k_tile(), x_s, sliced=sliced)
+                st_s[...] = dkl  # read back below by the same threads, in the same layout
+                plgpu.commit_smem()
+                dbk = dec.rows(m_s, k_tile(), x_s)
+                dbk = dbk + cp.matmul(a_s.T, dw_s, (C, H2)) * jnp.exp(cp.load_tile(g_s))
+                dkl = cp.load_tile(st_s)
+                k = k_tile()
+                gate = gate_tile()
+                emit_tile(dbk * (gate * k) - dkl * k, st_s, dg_g.at[b, rows, hv, cols])
+                dbk_k = dbk * k
+                if scalar:
+                    dbe_out = dbe + jnp.sum(dbk_k, axis=1)
+                    vec_s[...] = dbe_out
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(vec_s, dbe_g.at[b, h2, rows])
+                else:
+                    emit_tile(dbk_k, st_s, db_g.at[b, rows, hv, cols])
+                emit_tile(dbk * gate + dkl, st_s, dk_g.at[b, rows, hv, cols])
+                plgpu.wait_smem_to_gmem(0)
+                return dA_out
+
+            return pl.run_scoped(
+                scoped,
+                cp.smem((C, H2), dt),  # k
+                cp.smem((C, H2), f32),  # G
+                cp.smem((8,), f32) if scalar else cp.smem((C, H2), f32),  # b (GDN2)
+                slice_smem((C, H2), dt, sliced),  # dw
+                cp.smem((NSUB, H2) if is_own else (8,), f32, swizzled=False),  # reference rows
+                cp.smem((H2,) if is_own else (8,), f32),  # G_last
+                cp.smem((C, H2) if is_own else (8,), f32),  # f32 output staging
+            )
+
+        dA, _ = v_pass(other, False, None)
+        dA, dbe = v_pass(own, True, dA)
+        dA = k_pass(other, False, dA, None)
+        k_pass(own, True, dA, dbe)
+
+    n_bar = 1 + (1 if scalar else 0) + 2 * (3 if scalar else 4) + (3 if scalar else 4) * 2 + 2
+    pl.run_scoped(
+        outer,
+        slice_smem((C, C), dt, sliced),  # A
+        slice_smem((C, HALF), dt, sliced),  # operand scratch (dA operands, dv, decay products)
+        slice_smem((C, C), dt, sliced),  # dA, dA Aᵀ (hi, lo), then dL
+        cp.smem((C,), f32),  # dβ (KDA)
+        cp.smem((C,) if scalar else (8,), f32),  # β (KDA)
+        plgpu.Barrier(num_barriers=n_bar),
+    )
+
+
 def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
     """Gradients through the WY representation and A = (I + L)⁻¹ for every chunk.
 
@@ -211,7 +436,8 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
       g_cum: [B, T, HV, K] f32; gr, gl: reference rows / G_last (see :mod:`bwd_dqkw`).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
       w_gate: GDN2: [B, T, HV, V] f32; KDA: None.
-      config: :class:`ChannelBwdWyConfig`.
+      config: :class:`ChannelBwdWyConfig`; ``k_split`` needs K == V == 128 (else
+        NotImplementedError: at K = 64 the unsplit kernel already has [C, 64] tiles).
     Returns:
       GDN2: dk [B, T, HV, K] f32 (per value head), dv [B, T, HV, V] io dtype, dG [B, T, HV, K] f32,
       db [B, T, HV, K] f32, dw_gate [B, T, HV, V] f32.
@@ -231,6 +457,27 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
     else:
         out_type += [S((B, T, HV, K), f32), S((B, T, HV, V), f32)]
         ins = (k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo)
+
+    if config.k_split:
+        if K != 2 * HALF:
+            raise NotImplementedError(f"{k.shape=}: the k_split channel_bwd_wy needs K == V == 128")
+        if config.scalar_beta:  # a partial dβ per (value head, K-half): row 2 hv + kh
+            out_type[3] = S((B, 2 * HV, T), f32)
+
+        def split_body(*refs):
+            _split_body(*refs, scalar=config.scalar_beta, group=HV // H, sliced=config.sliced)
+
+        fn = cp.kernel(
+            split_body,
+            out_type=tuple(out_type),
+            grid=(T // CHUNK, 2 * HV, B),
+            grid_names=("c", "h", "b"),
+            name="chan_bwd_wy",
+        )
+        outs = tuple(fn(*ins))
+        if config.scalar_beta:
+            outs = outs[:3] + (outs[3].reshape(B, HV, 2, T).sum(axis=2),)
+        return outs
 
     def body(*refs):
         _wy_body(*refs, scalar=config.scalar_beta, group=HV // H, sliced=config.sliced)

@@ -57,7 +57,7 @@ def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0):
     return cfg, (q, k, v, G, b, w, h0), (do, dht)
 
 
-def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False):
+def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False, k_split=True):
     """Driver vs the xla core's VJP: error(driver, f32 core) <= 2 error(bf16 core, f32 core) +
     floor. The inputs are already bf16 here, so the bf16 core differs from the f32 one only where
     it rounds operands (its state-gradient loop is f32: its dh0 error is ~1e-6); the kernels stage
@@ -70,7 +70,7 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False):
         return vjp(cts)
 
     def mine(res, cts):
-        return channel_backward_pallas(*res, *cts, scale=cfg.scale, sliced=sliced)
+        return channel_backward_pallas(*res, *cts, scale=cfg.scale, sliced=sliced, k_split=k_split)
 
     if jit:  # cotangents are arguments: as closure constants XLA would constant-fold them (slow)
         xla_vjp, mine = jax.jit(xla_vjp), jax.jit(mine)
@@ -199,20 +199,25 @@ def test_lowers_for_cuda(variant, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize(
+    "sliced,k_split",
+    [(False, True), (False, False), (True, False)],
+    ids=["ksplit", "whole", "sliced"],
+)
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_core_grads(variant, sliced):
+def test_gpu_core_grads(variant, sliced, k_split):
     cfg, res, cts = core_case(3, variant, 1, 2048, 4, 8, 128)
-    check_core(cfg, res, cts, sliced=sliced)
+    check_core(cfg, res, cts, sliced=sliced, k_split=k_split)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k_split", [False, True], ids=["whole", "ksplit"])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 @pytest.mark.parametrize("g_val", [0.0, -5.0])
-def test_gpu_core_extreme_gates(variant, g_val):
+def test_gpu_core_extreme_gates(variant, g_val, k_split):
     """Per-token log-decay −5 on every channel over whole chunks, and no decay at all."""
     cfg, res, cts = core_case(4, variant, 1, 4096, 16, 16, 128, g_val=g_val)
-    check_core(cfg, res, cts)
+    check_core(cfg, res, cts, k_split=k_split)
 
 
 GPU_CASES = [

@@ -1,0 +1,175 @@
+"""The K-split form of the channel-decay dq/dk/dw kernel (``channel_bwd_dqkw(k_split=True)``).
+
+Two CTAs per (chunk, value head), each computing one 64-column half of K = 128. Checked against
+the one-CTA form on the same inputs (the maths is the same per key column, so they agree to f32
+accumulation order and 16-bit output rounding) and against the jnp formulas of
+:func:`test_channel_pallas_bwd._kernel_refs`; the CUDA lowering is checked on CPU, including the
+shared-memory budget that lets two CTAs share an SM.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from gdn_cases import run_interpreted
+from test_channel_pallas_bwd import _kernel_inputs, _kernel_refs
+
+from gdn_jax.testing import rel_rms
+from pallas_kernels import _compat as pk
+from pallas_kernels.channel.bwd_dh import channel_bwd_dh
+from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
+
+f32 = jnp.float32
+OUTS = ("dq", "dk", "dwk", "dG")  # channel_bwd_dqkw's outputs, in order
+REF = {"dq": "dq", "dk": "dk", "dwk": "dw", "dG": "dG(qk)"}  # their names in _kernel_refs
+# Two CTAs per SM: 228 KiB of shared memory per SM, of which 1 KiB per CTA is reserved.
+SMEM_TWO_CTAS = (228 - 2) * 1024 // 2
+
+
+def _dh(x, scale):
+    """bwd_dh's outputs (dh, dv2 hi, dv2 lo): the state-gradient inputs of bwd_dqkw."""
+    from pallas_kernels._tiles import LoopConfig
+
+    dh, dvh, dvl, _ = channel_bwd_dh(
+        x["qg"], x["kg"], x["wk"], x["do"], x["aqk"], jnp.exp(x["gl"]), x["dht"],
+        LoopConfig(scale=scale),
+    )  # fmt: skip
+    return dh, dvh, dvl
+
+
+def _dqkw(x, dh, dvh, dvl, scale, *, sliced, k_split):
+    out = channel_bwd_dqkw(
+        x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], dh, x["vn"], x["do"], dvh, dvl,
+        scale=scale, sliced=sliced, k_split=k_split,
+    )  # fmt: skip
+    return dict(zip(OUTS, out, strict=True))
+
+
+def check_ksplit(x, *, sliced, tol_split, tol_ref, jit=True):
+    """k_split=True against k_split=False (``tol_split``) and against the jnp formulas
+    (``tol_ref``), every output, relative RMS."""
+    x = dict(x)
+    scale = x.pop("cfg").scale
+    dh, dvh, dvl = _dh(x, scale)
+    run = functools.partial(_dqkw, scale=scale, sliced=sliced)
+    run_s, run_u = (functools.partial(run, k_split=s) for s in (True, False))
+    if jit:
+        run_s, run_u = jax.jit(run_s), jax.jit(run_u)
+    split = run_s(x, dh, dvh, dvl)
+    plain = run_u(x, dh, dvh, dvl)
+    # _kernel_refs forms every backward kernel's reference; bwd_dqkw's read dh and dv2 (and
+    # the bwd_wy part reads dw, given the split kernel's here)
+    refs = functools.partial(_kernel_refs, scale=scale)
+    ref = (jax.jit(refs) if jit else refs)(x, dict(dh=dh, dvh=dvh, dvl=dvl, dwk=split["dwk"]))
+    HV = x["v"].shape[2]
+    assert split["dq"].dtype == (x["q"].dtype if HV == x["q"].shape[2] else f32)
+    report, bad = [], []
+    for name in OUTS:
+        assert split[name].shape == plain[name].shape and split[name].dtype == plain[name].dtype
+        e_split = rel_rms(split[name], plain[name])
+        e_ref = rel_rms(split[name], ref[REF[name]])
+        e_plain = rel_rms(plain[name], ref[REF[name]])
+        report.append(f"{name}: split/plain {e_split:.1e}, split/ref {e_ref:.1e} "
+                      f"(plain/ref {e_plain:.1e})")  # fmt: skip
+        if not (e_split <= tol_split and e_ref <= tol_ref):
+            bad.append(name)
+    print(f"k_split {sliced=}", "; ".join(report), flush=True)
+    assert not bad, (bad, "; ".join(report))
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: Mosaic GPU interpreter (one value head pair, two chunks)
+
+
+@pytest.mark.parametrize(
+    "H,HV,sliced",
+    [
+        (1, 1, False),  # dq in the io dtype
+        (1, 2, True),  # GVA: f32 dq (summed over value heads by the caller), sliced products
+    ],
+)
+def test_interpret_ksplit_matches(H, HV, sliced):
+    with pk.use_mode("interpret"):
+        x = run_interpreted(lambda: _kernel_inputs(5, "kda", 1, 128, H, HV, 128))
+    run_interpreted(lambda: check_ksplit(x, sliced=sliced, tol_split=1e-4, tol_ref=2e-2, jit=False))
+
+
+def test_ksplit_k64_falls_back():
+    """At K = 64 the flag is ignored (the one-CTA form already works on [64, 64] tiles): the
+    same kernel is traced, so the lowered modules are identical."""
+    args = _shapes(1, 128, 1, 2, 64, jnp.bfloat16)
+
+    def lowered(k_split):
+        f = functools.partial(channel_bwd_dqkw, scale=0.125, k_split=k_split)
+        with pk.cuda_lowering_mesh():
+            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert lowered(True) == lowered(False)
+    with pytest.raises(NotImplementedError, match="k_split"):  # raised before any tracing
+        channel_bwd_dqkw(*_shapes(1, 128, 1, 1, 96, jnp.bfloat16), scale=0.125, k_split=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
+
+
+def _shapes(B, T, H, HV, K, dt):
+    """ShapeDtypeStructs of channel_bwd_dqkw's 11 inputs (V = K)."""
+    S, nt = jax.ShapeDtypeStruct, T // 64
+    return (
+        S((B, T, H, K), dt), S((B, T, H, K), dt), S((B, T, HV, K), f32),
+        S((B, HV, T // 16, K), f32), S((B, HV, nt, K), f32),
+        S((B, nt, HV, K, K), dt), S((B, nt, HV, K, K), dt),
+        *(S((B, T, HV, K), dt) for _ in range(4)),
+    )  # fmt: skip
+
+
+def _smem_limit(limit):
+    """Mosaic GPU's own test hook bounding the shared memory a kernel may use when it lowers
+    (jax 0.11.2); the check is skipped where a JAX version lacks it."""
+    from jax.experimental.mosaic.gpu import core
+
+    hook = getattr(core, "artificial_shared_memory_limit", None)
+    if hook is None:
+        pytest.skip("this JAX has no artificial_shared_memory_limit")
+    return hook(limit)
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("H,HV", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
+def test_ksplit_lowers_for_cuda(H, HV, sliced, dt):
+    """Lowers with at most half an SM's shared memory per CTA (two CTAs per SM)."""
+    f = functools.partial(channel_bwd_dqkw, scale=0.125, sliced=sliced, k_split=True)
+    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
+        txt = jax.jit(f).trace(*_shapes(1, 192, H, HV, 128, dt)).lower(
+            lowering_platforms=("cuda",)
+        ).as_text()  # fmt: skip
+    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1 and re.search(r"\\00chan_bwd_dqkw\\00", calls[0]), len(calls)
+
+
+def test_unsplit_needs_a_whole_sm():
+    """The reason for the split: the one-CTA form does not fit in half an SM at K = 128."""
+    f = functools.partial(channel_bwd_dqkw, scale=0.125)
+    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            jax.jit(f).trace(*_shapes(1, 128, 1, 1, 128, jnp.bfloat16)).lower(
+                lowering_platforms=("cuda",)
+            )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (H200): a realistic shape, both product forms, with and without GVA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("variant,H,HV", [("kda", 4, 8), ("gdn2", 8, 8)])
+def test_gpu_ksplit_matches(variant, H, HV, sliced):
+    x = _kernel_inputs(2, variant, 1, 1024, H, HV, 128)
+    check_ksplit(x, sliced=sliced, tol_split=1e-2, tol_ref=2e-2)

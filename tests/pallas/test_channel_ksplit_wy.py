@@ -1,0 +1,126 @@
+"""The K-split form of the channel-decay WY backward (``ChannelBwdWyConfig(k_split=True)``).
+
+Two CTAs per (chunk, value head) each produce one 64-column half of dk, dG, db and of dv,
+dw_gate (KDA: a partial dβ, summed by the launcher). Checked against the unsplit kernel on the
+same inputs and against the kernel formulas in jnp (:func:`test_channel_pallas_bwd._kernel_refs`);
+the inputs are the forward's intermediates and the upstream backward kernels' dw / dv2, built by
+the helpers of ``test_channel_pallas_bwd``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from gdn_cases import run_interpreted
+from test_channel_pallas_bwd import _kernel_inputs, _kernel_outputs, _kernel_refs
+
+from gdn_jax.testing import rel_rms
+from pallas_kernels import _compat as pk
+from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
+
+f32 = jnp.float32
+
+
+def _names(scalar: bool) -> tuple[str, ...]:
+    return ("dk(wy)", "dv", "dG(wy)") + (("dbeta",) if scalar else ("db", "dw_gate"))
+
+
+def _split_wy(x, out, *, sliced: bool):
+    """channel_bwd_wy with k_split on the upstream kernels' dw / dv2 (hi, lo)."""
+    cfg = ChannelBwdWyConfig(scalar_beta=x["w"] is None, sliced=sliced, k_split=True)
+    return channel_bwd_wy(
+        x["k"], x["v"], x["G"], x["gr"], x["gl"], x["bk"], x["w"], x["A"], out["dwk"],
+        out["dvh"], out["dvl"], cfg,
+    )  # fmt: skip
+
+
+def check_split(x, *, sliced: bool, tol: float, jit: bool = True):
+    """K-split outputs vs the unsplit kernel's and vs the jnp formulas (relative RMS ≤ tol)."""
+    x = dict(x)
+    scale = x.pop("cfg").scale
+    scalar = x["w"] is None
+    out = _kernel_outputs(x, scale, sliced)  # bwd_dh, bwd_dqkw, unsplit bwd_wy
+    split = functools.partial(_split_wy, sliced=sliced)
+    got = (jax.jit(split) if jit else split)(x, out)
+    refs = functools.partial(_kernel_refs, scale=scale)
+    ref = (jax.jit(refs) if jit else refs)(x, out)
+    report, bad = [], []
+    for name, mine, unsplit in zip(_names(scalar), got, out["wy"], strict=True):
+        assert mine.shape == unsplit.shape and mine.dtype == unsplit.dtype, name
+        e_unsplit = rel_rms(mine, unsplit)
+        e_ref = rel_rms(mine, ref[name])
+        report.append(f"{name}: {e_unsplit:.1e} (unsplit) {e_ref:.1e} (formula)")
+        if not (e_unsplit <= tol and e_ref <= 2 * tol):
+            bad.append(name)
+    print("k_split wy", "; ".join(report), flush=True)
+    assert not bad, (bad, "; ".join(report))
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: Mosaic GPU interpreter (one chunk pair, GVA, K = V = 128: the only size k_split serves)
+
+
+@pytest.mark.parametrize("variant,sliced", [("kda", False), ("gdn2", True)])
+def test_interpret_split_matches_unsplit(variant, sliced):
+    with pk.use_mode("interpret"):
+        x = run_interpreted(lambda: _kernel_inputs(5, variant, 1, 128, 1, 2, 128))
+        run_interpreted(lambda: check_split(x, sliced=sliced, tol=1e-2, jit=False))
+
+
+def test_k_split_needs_k128():
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    B, T, HV, K = 1, 64, 1, 64
+    cfg = ChannelBwdWyConfig(scalar_beta=True, k_split=True)
+    args = (
+        S((B, T, 1, K), bf), S((B, T, HV, K), bf), S((B, T, HV, K), f32), S((B, HV, 4, K), f32),
+        S((B, HV, 1, K), f32), S((B, HV, T), f32), None, S((B, T, HV, 64), bf),
+        S((B, T, HV, K), bf), S((B, T, HV, K), bf), S((B, T, HV, K), bf),
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="K == V == 128"):
+        jax.eval_shape(lambda *a: channel_bwd_wy(*a, cfg), *args)
+
+
+def test_config_validates_k_split():
+    with pytest.raises(TypeError, match="k_split"):
+        ChannelBwdWyConfig(k_split=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the real GPU lowering (layout inference, wgmma operand checks, the SMEM budget)
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_split_lowers_for_cuda(variant, sliced):
+    B, T, H, HV, K = 1, 128, 2, 4, 128
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    scalar = variant == "kda"
+    k, v = S((B, T, H, K), bf), S((B, T, HV, K), bf)
+    G, gr, gl = S((B, T, HV, K), f32), S((B, HV, T // 16, K), f32), S((B, HV, T // 64, K), f32)
+    b = S((B, HV, T), f32) if scalar else S((B, T, HV, K), f32)
+    w = None if scalar else S((B, T, HV, K), f32)
+    A, dw = S((B, T, HV, 64), bf), S((B, T, HV, K), bf)
+    cfg = ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=True)
+    f = lambda *a: channel_bwd_wy(*a, cfg)
+    with pk.cuda_lowering_mesh():
+        txt = jax.jit(f).trace(k, v, G, gr, gl, b, w, A, dw, dw, dw).lower(
+            lowering_platforms=("cuda",)
+        ).as_text()  # fmt: skip
+    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1 and "chan_bwd_wy" in calls[0], len(calls)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (H200): a realistic shape, against the unsplit kernel and the formulas (test_gpu_kernels'
+# tolerance, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_split_matches_reference(variant, sliced):
+    x = _kernel_inputs(2, variant, 1, 1024, 4, 8, 128)
+    check_split(x, sliced=sliced, tol=2e-2)
