@@ -20,6 +20,7 @@ __all__ = [
     "unit_lower_inverse",
     "col_vec_row",
     "chunk_coords",
+    "pair_chunk_coords",
     "LoopConfig",
     "v_block_coords",
     "per_chunk_kernel",
@@ -27,6 +28,7 @@ __all__ = [
     "store_f32_tile",
     "load_tiles",
     "emit_tile",
+    "Bars",
 ]
 
 
@@ -116,12 +118,30 @@ def v_block_coords(block_v: int):
     return iv, lax.axis_index("h"), lax.axis_index("b"), pl.ds(iv * block_v, block_v)
 
 
-def per_chunk_kernel(body, out_type, *, chunks: int, HV: int, B: int, name: str):
+def per_chunk_kernel(
+    body, out_type, *, chunks: int, HV: int, B: int, name: str, pair: bool = False
+):
     """``cp.kernel`` with one CTA per (chunk, value head, batch row): the ``("c", "h", "b")`` grid
-    that :func:`chunk_coords` reads (the chunk-parallel stages)."""
+    that :func:`chunk_coords` reads (the chunk-parallel stages). ``pair``: two CTAs per (chunk,
+    value head, batch row), CTA ``h = 2 hv + half`` (:func:`pair_chunk_coords`), for kernels that
+    split a chunk's work in two so that two CTAs fit on an SM."""
+    heads = 2 * HV if pair else HV
     return cp.kernel(
-        body, out_type=out_type, grid=(chunks, HV, B), grid_names=("c", "h", "b"), name=name
+        body, out_type=out_type, grid=(chunks, heads, B), grid_names=("c", "h", "b"), name=name
     )
+
+
+def pair_chunk_coords(group: int, chunk: int = 64):
+    """Grid coordinates of a ``per_chunk_kernel(..., pair=True)`` CTA.
+
+    Returns:
+      (c, hv, half, b, hk, rows): as :func:`chunk_coords`, plus ``half`` ∈ {0, 1}, which of the
+      value head's two CTAs this is.
+    """
+    c = lax.axis_index("c")
+    h2 = lax.axis_index("h")
+    hv = lax.shift_right_logical(h2, 1)
+    return c, hv, lax.bitwise_and(h2, 1), lax.axis_index("b"), hv // group, pl.ds(c * chunk, chunk)
 
 
 def per_v_block_kernel(
@@ -171,3 +191,28 @@ def emit_tile(x: jax.Array, stage_s, dst) -> None:
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(stage_s, dst)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+class Bars:
+    """Hands out the barriers of one SMEM array in order: every TMA load of the kernel gets its
+    own barrier, waited on once (so no phase bookkeeping across scopes that reuse memory)."""
+
+    def __init__(self, bar):
+        self.bar = bar
+        self.next = 0
+
+    def load(self, copies, *, wait: bool = True) -> list[int]:
+        """Issues the GMEM→SMEM ``copies`` ((GMEM view, SMEM ref) pairs); waits for them unless
+        ``not wait`` (then the caller waits on the returned barrier indices)."""
+        ids = []
+        for src, dst in copies:
+            plgpu.copy_gmem_to_smem(src, dst, self.bar.at[self.next])
+            ids.append(self.next)
+            self.next += 1
+        if wait:
+            self.wait(ids)
+        return ids
+
+    def wait(self, ids) -> None:
+        for i in ids:
+            plgpu.barrier_wait(self.bar.at[i])

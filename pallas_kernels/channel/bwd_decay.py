@@ -32,9 +32,10 @@ from pallas_kernels._compat import pl, plgpu
 CHUNK = 64
 SUB = 16
 NSUB = CHUNK // SUB
+HALF = 64  # key / value columns per CTA or per pass of the split kernels (K = 128 in two)
 f32 = jnp.float32
 
-__all__ = ["Decay", "CHUNK", "SUB", "NSUB", "slice_smem"]
+__all__ = ["Decay", "CHUNK", "SUB", "NSUB", "HALF", "slice_smem"]
 
 
 def slice_smem(shape, dtype, sliced: bool):

@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords, emit_tile, load_tiles, per_chunk_kernel
-from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
+from pallas_kernels._tiles import (
+    chunk_coords,
+    emit_tile,
+    load_tiles,
+    pair_chunk_coords,
+    per_chunk_kernel,
+)
+from pallas_kernels.channel.bwd_decay import CHUNK, HALF, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
 
@@ -134,9 +139,6 @@ def _dqkw_body(
     )
 
 
-KHALF = 64  # key columns per CTA of the K-split form
-
-
 def _dqkw_ksplit_body(
     q_g, k_g, g_g, gr_g, gl_g, h_g, dh_g, vn_g, do_g, dvh_g, dvl_g,  # inputs
     dq_g, dk_g, dw_g, dg_g,  # outputs
@@ -162,11 +164,9 @@ def _dqkw_ksplit_body(
     226392 B for :func:`_dqkw_body`; tests/pallas/test_channel_ksplit_dqkw.py checks that it stays
     within half an SM.
     """
-    C, KH = CHUNK, KHALF
-    c, b = lax.axis_index("c"), lax.axis_index("b")
-    hv = lax.axis_index("h") // 2
-    kh = lax.axis_index("h") - 2 * hv
-    hk, rows, kc = hv // group, pl.ds(c * C, C), pl.ds(kh * KH, KH)
+    C, KH = CHUNK, HALF
+    c, hv, kh, b, hk, rows = pair_chunk_coords(group, C)
+    kc = pl.ds(kh * KH, KH)
     V = vn_g.shape[-1]
     dt = q_g.dtype
     row = cp.iota((C, C), 0)
@@ -319,25 +319,18 @@ def channel_bwd_dqkw(
         S((B, T, HV, K), f32),
     )
 
-    if k_split and K not in (KHALF, 2 * KHALF):
+    if k_split and K not in (HALF, 2 * HALF):
         raise NotImplementedError(f"{q.shape=}: channel_bwd_dqkw(k_split=True) needs K = 64 or 128")
-    if k_split and K == 2 * KHALF:
+    pair = k_split and K == 2 * HALF
+    if pair:
 
         def body(*refs):
             _dqkw_ksplit_body(*refs, scale=scale, group=HV // H, sliced=sliced)
 
-        # the halves kh of value head hv are CTAs h = 2 hv + kh (see _dqkw_ksplit_body)
-        fn = cp.kernel(
-            body,
-            out_type=out_type,
-            grid=(nt, 2 * HV, B),
-            grid_names=("c", "h", "b"),
-            name="chan_bwd_dqkw",
-        )
     else:
 
         def body(*refs):
             _dqkw_body(*refs, scale=scale, group=HV // H, sliced=sliced)
 
-        fn = per_chunk_kernel(body, out_type, chunks=nt, HV=HV, B=B, name="chan_bwd_dqkw")
+    fn = per_chunk_kernel(body, out_type, chunks=nt, HV=HV, B=B, name="chan_bwd_dqkw", pair=pair)
     return fn(q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo)

@@ -24,12 +24,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords, emit_tile, load_tiles, per_chunk_kernel
-from pallas_kernels.channel.bwd_decay import CHUNK, NSUB, Decay, slice_smem
+from pallas_kernels._tiles import (
+    Bars,
+    chunk_coords,
+    emit_tile,
+    load_tiles,
+    pair_chunk_coords,
+    per_chunk_kernel,
+)
+from pallas_kernels.channel.bwd_decay import CHUNK, HALF, NSUB, Decay, slice_smem
 
 f32 = jnp.float32
 
@@ -74,15 +80,20 @@ def _neg_inverse_product(dec, m_s, a_s, dA) -> jax.Array:
     return dL
 
 
-def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
+def _wy_refs(refs, scalar: bool) -> tuple:
+    """The kernel's GMEM refs by name, None where the variant has none: (k, v, G, gr, gl, β,
+    b, w_gate, A, dw, du_hi, du_lo | dk, dv, dG, dβ, db, dw_gate) — KDA has β and dβ, GDN2 b,
+    w_gate, db and dw_gate (the order :func:`channel_bwd_wy` passes them in)."""
     if scalar:
-        k_g, v_g, g_g, gr_g, gl_g, be_g, a_g, dw_g, duh_g, dul_g = refs[:10]
-        dk_g, dv_g, dg_g, dbe_g = refs[10:]
-        b_g = wg_g = None
-    else:
-        k_g, v_g, g_g, gr_g, gl_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g = refs[:11]
-        dk_g, dv_g, dg_g, db_g, dwg_g = refs[11:]
-        be_g = None
+        k, v, g, gr, gl, be, a, dw, duh, dul, dk, dv, dg, dbe = refs
+        return k, v, g, gr, gl, be, None, None, a, dw, duh, dul, dk, dv, dg, dbe, None, None
+    k, v, g, gr, gl, b, wg, a, dw, duh, dul, dk, dv, dg, db, dwg = refs
+    return k, v, g, gr, gl, None, b, wg, a, dw, duh, dul, dk, dv, dg, None, db, dwg
+
+
+def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
+    (k_g, v_g, g_g, gr_g, gl_g, be_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g,
+     dk_g, dv_g, dg_g, dbe_g, db_g, dwg_g) = _wy_refs(refs, scalar)  # fmt: skip
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = k_g.shape[-1], v_g.shape[-1]
@@ -205,33 +216,6 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
 # ------------------------------------------------------------------------------------------------
 # K-split form: two CTAs per (chunk, value head, batch row), each owning one 64-column half.
 
-HALF = 64
-
-
-class _Bars:
-    """Hands out the barriers of one SMEM array in order: every TMA load of the kernel gets its
-    own barrier, waited on once (so no phase bookkeeping across scopes that reuse memory)."""
-
-    def __init__(self, bar):
-        self.bar = bar
-        self.next = 0
-
-    def load(self, copies, *, wait: bool = True) -> list[int]:
-        """Issues the GMEM→SMEM ``copies`` ((GMEM view, SMEM ref) pairs); waits for them unless
-        ``not wait`` (then the caller waits on the returned barrier indices)."""
-        ids = []
-        for src, dst in copies:
-            plgpu.copy_gmem_to_smem(src, dst, self.bar.at[self.next])
-            ids.append(self.next)
-            self.next += 1
-        if wait:
-            self.wait(ids)
-        return ids
-
-    def wait(self, ids) -> None:
-        for i in ids:
-            plgpu.barrier_wait(self.bar.at[i])
-
 
 def _split_body(*refs, scalar: bool, group: int, sliced: bool):
     """One CTA per (chunk, value head, K-half): grid axis "h" runs over 2·HV, h = 2 hv + kh.
@@ -263,28 +247,16 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
     2.9–3.1 ms (GDN2) against 4.3–4.9 ms unsplit; ptxas still reports 255 registers with
     100–290 bytes of spills (unsplit: 3–4.4 KB).
     """
-    if scalar:
-        k_g, v_g, g_g, gr_g, gl_g, be_g, a_g, dw_g, duh_g, dul_g = refs[:10]
-        dk_g, dv_g, dg_g, dbe_g = refs[10:]
-        b_g = wg_g = None
-    else:
-        k_g, v_g, g_g, gr_g, gl_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g = refs[:11]
-        dk_g, dv_g, dg_g, db_g, dwg_g = refs[11:]
-        be_g = None
+    (k_g, v_g, g_g, gr_g, gl_g, be_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g,
+     dk_g, dv_g, dg_g, dbe_g, db_g, dwg_g) = _wy_refs(refs, scalar)  # fmt: skip
     C, H2 = CHUNK, HALF
-    c = lax.axis_index("c")
-    h2 = lax.axis_index("h")
-    b = lax.axis_index("b")
-    hv = lax.shift_right_logical(h2, 1)
-    kh = lax.bitwise_and(h2, 1)
-    hk = hv // group
-    rows = pl.ds(c * C, C)
+    c, hv, kh, b, hk, rows = pair_chunk_coords(group, C)
     own = pl.ds(kh * H2, H2)  # this CTA's K-half (and V-half) of the columns
     other = pl.ds((1 - kh) * H2, H2)
     dt = k_g.dtype
 
     def outer(a_s, x_s, m_s, vec_s, be_s, bar):
-        bars = _Bars(bar)
+        bars = Bars(bar)
         # A is first needed in pass 2: its load overlaps pass 1
         (a_id,) = bars.load([(a_g.at[b, rows, hv, :], a_s)], wait=False)
         if scalar:
@@ -392,7 +364,8 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
                     dbe_out = dbe + jnp.sum(dbk_k, axis=1)
                     vec_s[...] = dbe_out
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(vec_s, dbe_g.at[b, h2, rows])
+                    # partial dβ of this half: row 2 hv + kh, summed over kh by the wrapper
+                    plgpu.copy_smem_to_gmem(vec_s, dbe_g.at[b, 2 * hv + kh, rows])
                 else:
                     emit_tile(dbk_k, st_s, db_g.at[b, rows, hv, cols])
                 emit_tile(dbk * gate + dkl, st_s, dk_g.at[b, rows, hv, cols])
@@ -467,13 +440,10 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
         def split_body(*refs):
             _split_body(*refs, scalar=config.scalar_beta, group=HV // H, sliced=config.sliced)
 
-        fn = cp.kernel(
-            split_body,
-            out_type=tuple(out_type),
-            grid=(T // CHUNK, 2 * HV, B),
-            grid_names=("c", "h", "b"),
-            name="chan_bwd_wy",
-        )
+        fn = per_chunk_kernel(
+            split_body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_bwd_wy",
+            pair=True,
+        )  # fmt: skip
         outs = tuple(fn(*ins))
         if config.scalar_beta:
             outs = outs[:3] + (outs[3].reshape(B, HV, 2, T).sum(axis=2),)

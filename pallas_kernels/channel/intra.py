@@ -23,6 +23,11 @@ with margin. Products above the diagonal may overflow to inf in the accumulator;
 with ``where`` (never multiplied by a mask). Exponents of rows or columns a sub-chunk does not use
 are masked to 0 *before* ``exp``.
 
+Split form (``ChannelIntraConfig(split=True)``, K = V ∈ {64, 128}): two CTAs per (chunk, value
+head, batch row), one forming L → A → w, u (and A), the other Aqk, qg, kg, both contracting over K
+in 64-column passes, so only [64, 64] f32 register tiles are live and a CTA needs under half an
+SM's shared memory (:func:`_split_body`).
+
 Precision: K-contractions, A and every accumulation in f32; wgmma operands (the factored k, q,
 A, the gated v) are 16-bit. Outputs are stored in the io dtype.
 """
@@ -30,6 +35,7 @@ A, the gated v) are 16-bit. Outputs are stored in the io dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +44,8 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords, per_chunk_kernel
+from pallas_kernels._tiles import Bars, chunk_coords, pair_chunk_coords, per_chunk_kernel
+from pallas_kernels.channel.bwd_decay import HALF, Decay
 
 CHUNK = 64
 SUB = 16  # rows per sub-chunk of the decay factoring
@@ -55,28 +62,39 @@ class ChannelIntraConfig:
       scalar_beta: KDA: the erase and write gates are one β per (token, value head), given as
         [B, HV, T]; otherwise (GDN2) b [B, T, HV, K] and w_gate [B, T, HV, V].
       store_a: also write A (16-bit) for the backward.
+      split: two CTAs per (chunk, value head, batch row), one forming L → A → w, u (and A), the
+        other Aqk, qg, kg, each on [64, 64] register tiles with about half the shared memory, so
+        two CTAs share an SM (see :func:`_split_body`). Needs K == V ∈ {64, 128}.
     """
 
     scalar_beta: bool = False
     store_a: bool = False
+    split: bool = False
 
     def __post_init__(self):
-        for name in ("scalar_beta", "store_a"):
+        for name in ("scalar_beta", "store_a", "split"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ChannelIntraConfig.{name}={getattr(self, name)!r} must be a bool")
 
 
-def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
+def _intra_refs(refs, cfg: ChannelIntraConfig) -> tuple:
+    """The kernel's GMEM refs by name, None where absent: (q, k, v, G, gr, gl, β, b, w_gate |
+    qg, kg, w, u, Aqk, A) — KDA has β, GDN2 b and w_gate; A only with ``store_a``."""
+    n_in = 7 if cfg.scalar_beta else 8
+    ins, outs = refs[:n_in], refs[n_in:]
     if cfg.scalar_beta:
-        q_g, k_g, v_g, G_g, gr_g, gl_g, be_g = refs[:7]
-        b_g = wg_g = None
-        outs = refs[7:]
+        q, k, v, G, gr, gl, be = ins
+        b = wg = None
     else:
-        q_g, k_g, v_g, G_g, gr_g, gl_g, b_g, wg_g = refs[:8]
-        be_g = None
-        outs = refs[8:]
-    qg_g, kg_g, w_g, u_g, aqk_g = outs[:5]
-    a_g = outs[5] if cfg.store_a else None
+        q, k, v, G, gr, gl, b, wg = ins
+        be = None
+    a = outs[5] if cfg.store_a else None
+    return (q, k, v, G, gr, gl, be, b, wg, *outs[:5], a)
+
+
+def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
+    (q_g, k_g, v_g, G_g, gr_g, gl_g, be_g, b_g, wg_g,
+     qg_g, kg_g, w_g, u_g, aqk_g, a_g) = _intra_refs(refs, cfg)  # fmt: skip
     C = CHUNK
     # GVA: value head hv reads q/k head hk = hv // (HV // H)
     c, hv, b, hk, rows = chunk_coords(group, C)
@@ -216,6 +234,247 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
     )
 
 
+# ------------------------------------------------------------------------------------------------
+# Split form: two CTAs per (chunk, value head, batch row), one per task, on [C, 64] tiles.
+
+
+def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
+    """Grid axis "h" runs over 2·HV: CTA h = 2 hv + t does task t of value head hv.
+
+    The unsplit kernel's two products of one sub-chunk share their column operand, but nothing
+    else: L feeds the inverse and w, u; Aqk, qg and kg stand apart. So the tasks are
+
+      t = 0 ("wy"):  L → A = (I + L)⁻¹ → w, u (and A when ``store_a``)
+      t = 1 ("qk"):  Aqk, qg, kg
+
+    with no work done twice except the column operands' exponentials. Both contract over K in
+    64-column passes (each pass adds its partial products to one f32 register tile), so every
+    register tile is [C, 64] f32 (32 registers a thread) and a pass's SMEM is released before the
+    next one loads. The maths is the unsplit kernel's, operand for operand: qg, kg are bitwise
+    equal, L and Aqk differ only in the f32 order of the two K-halves' partial sums.
+
+    SMEM bytes per CTA at K = V = 128, 16-bit io (a buffer one variant lacks is a 32-byte
+    placeholder there; barriers 8 B each):
+
+      wy, always:    inverse scratch x, oy [C, C] 8192 each; w's right operand b ⊙ e^G ⊙ k
+                     2 × [C, 64] 16384; v 2 × [C, 64] 16384 (prefetched); operand / output
+                     staging 2 × [C, 64] 16384; β 256 (KDA); 12 / 9 barriers
+                                                          GDN2 65 664 / KDA 65 864
+      wy, L pass:    k [C, 64] 8192, G [C, 64] f32 16384, reference rows [4, 64] f32 1024,
+                     b [C, 64] f32 16384 (GDN2)           GDN2 41 984 / KDA 25 632
+      wy, tail:      w_gate 2 × [C, 64] f32 32768 (GDN2)  GDN2 32 768 / KDA 32
+      qk, always:    operand / Aqk staging 2 × [C, 64] 16384; qg/kg staging 2 × [C, 64]
+                     16384; 10 barriers                   32 848
+      qk, pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 256
+                                                          34 048
+
+    Peak (wy: always + L pass): 107 648 B (GDN2) / 91 496 B (KDA); the two tasks' scopes are
+    alternatives (branches of one kernel), so a CTA needs the larger. Mosaic's count when
+    lowering (bf16, with its alignment): 108 720 B (GDN2) / 93 336 B (KDA), against 224 320 B /
+    159 800 B for :func:`_intra_body`, so two CTAs share an SM (228 KiB, 1 KiB reserved per CTA;
+    tests/pallas/test_channel_intra_split.py lowers it under that limit).
+    """
+    scalar = cfg.scalar_beta
+    (q_g, k_g, v_g, G_g, gr_g, gl_g, be_g, b_g, wg_g,
+     qg_g, kg_g, w_g, u_g, aqk_g, a_g) = _intra_refs(refs, cfg)  # fmt: skip
+    C, H2 = CHUNK, HALF
+    c, hv, task, b, hk, rows = pair_chunk_coords(group, C)
+    npass = k_g.shape[-1] // H2
+    dt = k_g.dtype
+
+    def cols(p):
+        return pl.ds(p * H2, H2)
+
+    def tile(dtype=None):  # one [C, 64] scratch tile (16-bit operand by default)
+        return cp.smem((C, H2), dt if dtype is None else dtype)
+
+    def pass_products(dec, x, row_s, col_s, k_f32, acc):
+        """``acc`` (None: 0) plus, in the rows of each sub-chunk I, (x e^{G − r_I}) (k e^{r_I −
+        G})ᵀ over this pass's 64 key columns: the unsplit kernel's L / Aqk products, [C, C] f32
+        (garbage above the diagonal, masked by the caller). ``x``: [C, 64] f32 in registers;
+        ``k_f32()`` loads k (re-read from SMEM for every sub-chunk rather than held live across
+        the products). Each row takes one product, added in place: a single [C, C] tile stays
+        live across the passes."""
+        row_s[...] = (x * dec.e_own()).astype(dt)
+        rblk = lax.shift_right_logical(cp.iota((C, C), 0), 4)
+        out = acc
+        for I in range(NSUB):
+            upto = dec.blk <= I
+            expo = jnp.where(upto, dec.bref(I) - dec.G(), 0.0)  # masked before exp
+            col_s[...] = jnp.where(upto, k_f32() * jnp.exp(expo), 0.0).astype(dt)
+            plgpu.commit_smem()
+            m = cp.matmul(row_s, col_s.T, (C, C))
+            # other rows may hold inf (unbounded factor pairs): select, never multiply by a mask
+            if acc is None:
+                out = jnp.where(rblk == I, m, 0.0 if out is None else out)
+            else:
+                out = jnp.where(rblk == I, out + m, out)
+        return out
+
+    def wy_task():
+        def outer(x_s, oy_s, wop_s, v_s, st_s, be_s, bar):
+            bars = Bars(bar)
+            # v is needed only for u at the end: its load overlaps L and the inverse
+            v_ids = bars.load(
+                [(v_g.at[b, rows, hv, cols(p)], v_s[p]) for p in range(npass)], wait=False
+            )
+            if scalar:
+                bars.load([(be_g.at[b, hv, rows], be_s)])
+
+            def l_pass(p, L, k_s, g_s, gr_s, b_s):
+                srcs = [
+                    (k_g.at[b, rows, hk, cols(p)], k_s),
+                    (G_g.at[b, rows, hv, cols(p)], g_s),
+                    (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), cols(p)], gr_s),
+                ]
+                if not scalar:
+                    srcs.append((b_g.at[b, rows, hv, cols(p)], b_s))
+                bars.load(srcs)
+                dec = Decay(g_s, gr_s, None, dt)
+
+                def k_f32():
+                    return cp.load_tile(k_s).astype(f32)
+
+                def bk():  # the erase-gated key (KDA: β is applied to L's rows instead)
+                    return k_f32() if scalar else cp.load_tile(b_s) * k_f32()
+
+                L = pass_products(dec, bk(), st_s[0], st_s[1], k_f32, L)
+                # w's right operand b ⊙ e^G ⊙ k for these columns; the commit is also the
+                # warpgroup barrier past which the next pass's loads may overwrite this scope
+                wop_s[p][...] = (bk() * jnp.exp(dec.G())).astype(dt)
+                plgpu.commit_smem()
+                return L
+
+            L = None
+            for p in range(npass):
+                L = pl.run_scoped(
+                    functools.partial(l_pass, p, L),
+                    tile(),  # k
+                    tile(f32),  # G
+                    cp.smem((NSUB, H2), f32, swizzled=False),  # reference rows
+                    cp.smem((8,), f32) if scalar else tile(f32),  # b (GDN2)
+                )
+            row = cp.iota((C, C), 0)
+            col = cp.iota((C, C), 1)
+            L = jnp.where(row > col, L, 0.0)
+            if scalar:
+                L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
+
+            def tail(wg_s):
+                wg_ids = []
+                if not scalar:
+                    wg_ids = bars.load(
+                        [(wg_g.at[b, rows, hv, cols(p)], wg_s[p]) for p in range(npass)],
+                        wait=False,
+                    )
+                X = _tiles.unit_lower_inverse(L, x_s, oy_s, dt)
+                if cfg.store_a:
+                    x_s[...] = X.astype(dt)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(x_s, a_g.at[b, rows, hv, :])
+                # KDA scales A's columns by β instead of the right operands' rows
+                if scalar:
+                    X = X * cp.bcast_cols(cp.col_vec(be_s, C), (C, C))
+                oy_s[...] = X.astype(dt)
+                plgpu.commit_smem()
+
+                n_out = [0]
+
+                def put(val, dst):
+                    """Stores an output tile through the two staging tiles in turn."""
+                    if n_out[0] >= 2:  # the store two back used this tile: let it finish reading
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    s = st_s[n_out[0] % 2]
+                    n_out[0] += 1
+                    s[...] = val.astype(dt)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(s, dst)
+
+                for p in range(npass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
+                    put(cp.matmul(oy_s, wop_s[p], (C, H2)), w_g.at[b, rows, hv, cols(p)])
+                bars.wait(v_ids + wg_ids)
+                for p in range(npass):  # u = A (w_gate ⊙ v), one V-half at a time
+                    if not scalar:  # in place: each thread rewrites the elements it read
+                        vt = cp.load_tile(v_s[p]).astype(f32)
+                        v_s[p][...] = (cp.load_tile(wg_s[p]) * vt).astype(dt)
+                        plgpu.commit_smem()
+                    put(cp.matmul(oy_s, v_s[p], (C, H2)), u_g.at[b, rows, hv, cols(p)])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(
+                tail, cp.smem((8,), f32) if scalar else tuple(tile(f32) for _ in range(npass))
+            )
+
+        pl.run_scoped(
+            outer,
+            cp.smem((C, C), dt),  # inverse scratch, then the A staging
+            cp.smem((C, C), dt),  # inverse scratch, then A (KDA: A diag(β)) for w, u
+            tuple(tile() for _ in range(npass)),  # w's right operand, per K-half
+            tuple(tile() for _ in range(npass)),  # v (GDN2: then w_gate ⊙ v), per V-half
+            (tile(), tile()),  # row / column operands, then output staging
+            cp.smem((C,) if scalar else (8,), f32),  # β (KDA)
+            plgpu.Barrier(num_barriers=4 * npass + 1 if scalar else 6 * npass),
+        )
+
+    def qk_task():
+        def outer(st_s, out_s, bar):
+            bars = Bars(bar)
+
+            def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s):
+                bars.load(
+                    [
+                        (G_g.at[b, rows, hv, cols(p)], g_s),
+                        (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), cols(p)], gr_s),
+                        (gl_g.at[b, hv, c, cols(p)], gl_s),
+                        (q_g.at[b, rows, hk, cols(p)], q_s),
+                        (k_g.at[b, rows, hk, cols(p)], k_s),
+                    ]
+                )
+                dec = Decay(g_s, gr_s, gl_s, dt)
+                # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1) first: their stores overlap
+                # the products
+                if p:  # the previous pass's stores must have read the staging tiles
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_s[0][...] = (cp.load_tile(q_s).astype(f32) * jnp.exp(dec.G())).astype(dt)
+                out_s[1][...] = (cp.load_tile(k_s).astype(f32) * dec.e_last()).astype(dt)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_s[0], qg_g.at[b, rows, hv, cols(p)])
+                plgpu.copy_smem_to_gmem(out_s[1], kg_g.at[b, rows, hv, cols(p)])
+                q = cp.load_tile(q_s).astype(f32)
+                P = pass_products(
+                    dec, q, st_s[0], st_s[1], lambda: cp.load_tile(k_s).astype(f32), P
+                )
+                plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
+                return P
+
+            P = None
+            for p in range(npass):
+                P = pl.run_scoped(
+                    functools.partial(p_pass, p, P),
+                    tile(),  # q
+                    tile(),  # k
+                    tile(f32),  # G
+                    cp.smem((NSUB, H2), f32, swizzled=False),  # reference rows
+                    cp.smem((H2,), f32),  # G_last
+                )
+            row = cp.iota((C, C), 0)
+            col = cp.iota((C, C), 1)
+            st_s[0][...] = jnp.where(row >= col, P, 0.0).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(st_s[0], aqk_g.at[b, rows, hv, :])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            outer,
+            (tile(), tile()),  # row / column operands, then the Aqk staging
+            (tile(), tile()),  # qg, kg staging
+            plgpu.Barrier(num_barriers=5 * npass),
+        )
+
+    pl.when(task == 0)(wy_task)
+    pl.when(task == 1)(qk_task)
+
+
 def reference_rows(G: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The per-sub-chunk reference rows and the chunk's last row of the gate cumsum.
 
@@ -249,7 +508,8 @@ def channel_intra(
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
         Padded rows zero.
       w_gate: GDN2: [B, T, HV, V] f32 write gate (padded rows zero); KDA: None.
-      config: :class:`ChannelIntraConfig`.
+      config: :class:`ChannelIntraConfig`; ``split`` needs K == V ∈ {64, 128} (else
+        NotImplementedError).
     Returns:
       qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] = k e^{G_last − G}; w [B, T, HV, K];
       u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c holds Aqk[t − 64c, :]); all in
@@ -275,9 +535,25 @@ def channel_intra(
     if config.store_a:
         out_type.append(jax.ShapeDtypeStruct((B, T, HV, CHUNK), dt))
 
-    def body(*refs):
-        _intra_body(*refs, cfg=config, group=HV // H)
+    if config.split:
+        if K % HALF or K > 2 * HALF:
+            raise NotImplementedError(
+                f"{k.shape=}: the split channel_intra needs K == V ∈ {{64, 128}}"
+            )
 
-    fn = per_chunk_kernel(body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra")
+        def split_body(*refs):
+            _split_body(*refs, cfg=config, group=HV // H)
+
+        fn = per_chunk_kernel(
+            split_body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra", pair=True
+        )
+    else:
+
+        def body(*refs):
+            _intra_body(*refs, cfg=config, group=HV // H)
+
+        fn = per_chunk_kernel(
+            body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra"
+        )
     ins = (q, k, v, G, gr, gl, b) if config.scalar_beta else (q, k, v, G, gr, gl, b, w_gate)
     return tuple(fn(*ins))

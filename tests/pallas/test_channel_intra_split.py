@@ -1,0 +1,195 @@
+"""The split form of the channel-decay intra-chunk kernel (``ChannelIntraConfig(split=True)``).
+
+Two CTAs per (chunk, value head): one forms L → A → w, u (and A), the other Aqk, qg, kg, each on
+[64, 64] register tiles with about half the shared memory. Checked against the one-CTA kernel on
+the same inputs (the same operands and products; only the f32 order of the two K-halves' partial
+sums differs, so qg and kg are bitwise equal) and against the stage's formulas in f32 jnp
+(:func:`gdn_jax.reference.chunked.intra_chunk` for A, w, u; explicit pairwise decays for Aqk);
+the CUDA lowering is checked on CPU, including the shared-memory budget of two CTAs per SM.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gdn_cases import run_interpreted
+from test_channel_ksplit_dqkw import SMEM_TWO_CTAS, _smem_limit
+from test_channel_pallas_bwd import _chunks, _explicit, _rep, _unchunk, core_case
+
+from gdn_jax.reference.chunked import intra_chunk
+from gdn_jax.testing import rel_rms
+from pallas_kernels import _compat as pk
+from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
+
+f32 = jnp.float32
+OUTS = ("qg", "kg", "w", "u", "aqk", "A")  # channel_intra's outputs (A with store_a), in order
+
+
+def _inputs(seed, variant, T, H, HV, K, g_val=None):
+    """channel_intra's inputs (q, k, v, G, b, w_gate) from the backward tests' core case: unit
+    q/k rows, per-channel log-decays in [−1, 0] (or all ``g_val``), gates in [0, 1]; KDA's β
+    as [B, HV, T]."""
+    _, (q, k, v, G, b, w, _), _ = core_case(seed, variant, 1, T, H, HV, K, g_val=g_val)
+    return q, k, v, G, (b.transpose(0, 2, 1) if w is None else b), w
+
+
+def _intra(args, *, split, store_a=True):
+    q, k, v, G, b, w = args
+    cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=store_a, split=split)
+    return dict(zip(OUTS, channel_intra(q, k, v, G, b, w, cfg), strict=False))
+
+
+def _refs(args):
+    """The stage's outputs by their formulas in f32 jnp (chunk-major [N·nt·HV, 64, D] → [N, T,
+    HV, D]) from the same 16-bit inputs."""
+    q, k, v, G, b, w = args
+    N, T, HV, K = G.shape
+    nt = T // 64
+    c4 = lambda x: x.reshape(N, nt, 64, *x.shape[2:])  # noqa: E731
+    kr, qr = _rep(k, HV), _rep(q, HV)
+    if w is None:  # KDA: b = w_gate = β per token
+        b = w = b.transpose(0, 2, 1)[..., None]
+    A, wk, u = intra_chunk(c4(kr), c4(v), c4(b), c4(w), c4(G), dtype=f32)
+    Gc = _chunks(G)
+    aqk = jnp.einsum("mid,mjd,mijd->mij", _chunks(qr), _chunks(kr), _explicit(G))
+    kg = _chunks(kr) * jnp.exp(Gc[:, -1:] - Gc)
+    A = A.transpose(0, 1, 3, 2, 4).reshape(N, T, HV, 64)  # [N, nt, HV, C, C] → rows of chunks
+    return dict(
+        qg=qr.astype(f32) * jnp.exp(G), kg=_unchunk(kg, N, T, HV), w=wk.reshape(N, T, HV, K),
+        u=u.reshape(N, T, HV, -1), aqk=_unchunk(aqk, N, T, HV), A=A,
+    )  # fmt: skip
+
+
+def check_split(args, *, tol_split, tol_ref, jit=True):
+    """split=True against split=False (``tol_split``; qg, kg bitwise) and against the formulas
+    (``tol_ref``, and no worse than twice the unsplit kernel's error), relative RMS."""
+    run_s, run_u = (functools.partial(_intra, split=s) for s in (True, False))
+    if jit:
+        run_s, run_u, refs = jax.jit(run_s), jax.jit(run_u), jax.jit(_refs)
+    else:
+        refs = _refs
+    split, plain, ref = run_s(args), run_u(args), refs(args)
+    report, bad = [], []
+    for name in OUTS:
+        assert split[name].shape == plain[name].shape and split[name].dtype == plain[name].dtype
+        e_split = rel_rms(split[name], plain[name])
+        e_ref = rel_rms(split[name], ref[name])
+        e_plain = rel_rms(plain[name], ref[name])
+        report.append(f"{name}: split/plain {e_split:.1e}, split/ref {e_ref:.1e} "
+                      f"(plain/ref {e_plain:.1e})")  # fmt: skip
+        if not (e_split <= tol_split and e_ref <= max(tol_ref, 2 * e_plain)):
+            bad.append(name)
+    print("split intra", "; ".join(report), flush=True)
+    for name in ("qg", "kg"):  # elementwise, from the same operands: bitwise
+        assert np.array_equal(np.asarray(split[name]), np.asarray(plain[name])), name
+    for name in OUTS:
+        assert np.isfinite(np.asarray(split[name], f32)).all(), name
+    assert not bad, (bad, "; ".join(report))
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: Mosaic GPU interpreter (two chunks, one q/k head; GVA: two value heads read it)
+
+
+@pytest.mark.parametrize(
+    "variant,H,HV,K",
+    [
+        ("kda", 1, 2, 128),  # GVA
+        ("gdn2", 1, 2, 128),  # GVA
+        ("gdn2", 1, 1, 64),  # one 64-column pass
+    ],
+)
+def test_interpret_split_matches(variant, H, HV, K):
+    args = _inputs(3, variant, 128, H, HV, K)
+    run_interpreted(lambda: check_split(args, tol_split=1e-4, tol_ref=2e-2, jit=False))
+
+
+def test_interpret_split_strongest_decay():
+    """Log-decay −10 per token and channel (the op's clamp): the sub-chunk factors reach e^{±80}
+    and products above the diagonal overflow; the split kernel drops them as the unsplit one."""
+    args = _inputs(6, "kda", 64, 1, 1, 128, g_val=-10.0)
+    run_interpreted(lambda: check_split(args, tol_split=1e-4, tol_ref=2e-2, jit=False))
+
+
+def test_interpret_split_without_a():
+    """store_a=False: the same five outputs as with it (A's store is the only difference)."""
+    args = _inputs(4, "kda", 64, 1, 1, 128)
+
+    def run():
+        with_a = _intra(args, split=True)
+        without = _intra(args, split=True, store_a=False)
+        assert len(without) == 5
+        for name, x in without.items():
+            assert np.array_equal(np.asarray(x), np.asarray(with_a[name])), name
+
+    run_interpreted(run)
+
+
+def test_split_needs_k64_or_k128():
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    B, T, HV, K = 1, 64, 1, 192
+    args = (S((B, T, 1, K), bf), S((B, T, 1, K), bf), S((B, T, HV, K), bf),
+            S((B, T, HV, K), f32), S((B, HV, T), f32), None)  # fmt: skip
+    cfg = ChannelIntraConfig(scalar_beta=True, split=True)
+    with pytest.raises(NotImplementedError, match="split"):
+        jax.eval_shape(lambda *a: channel_intra(*a, cfg), *args)
+
+
+def test_config_validates_split():
+    with pytest.raises(TypeError, match="split"):
+        ChannelIntraConfig(split=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the real GPU lowering (layout inference, wgmma operand checks, the SMEM budget)
+
+
+def _shapes(B, T, H, HV, K, dt, scalar):
+    """ShapeDtypeStructs of channel_intra's inputs (V = K)."""
+    S = jax.ShapeDtypeStruct
+    gates = (S((B, HV, T), f32), None) if scalar else (S((B, T, HV, K), f32),) * 2
+    return (S((B, T, H, K), dt), S((B, T, H, K), dt), S((B, T, HV, K), dt),
+            S((B, T, HV, K), f32), *gates)  # fmt: skip
+
+
+def _lower(cfg, dt, K=128):
+    f = lambda *a: channel_intra(*a, cfg)  # noqa: E731
+    args = _shapes(1, 192, 2, 4, K, dt, cfg.scalar_beta)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("store_a", [False, True])
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
+def test_split_lowers_for_cuda(variant, store_a, dt):
+    """Lowers with at most half an SM's shared memory per CTA (two CTAs per SM)."""
+    cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=store_a, split=True)
+    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
+        txt = _lower(cfg, dt)
+    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1 and re.search(r"\\00chan_intra\\00", calls[0]), len(calls)
+
+
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_unsplit_needs_a_whole_sm(variant):
+    """The reason for the split: the one-CTA form does not fit in half an SM at K = 128."""
+    cfg = ChannelIntraConfig(scalar_beta=variant == "kda")
+    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            _lower(cfg, jnp.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (H200): a realistic shape, with GVA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_split_matches(variant):
+    args = _inputs(2, variant, 1024, 4, 8, 128)
+    check_split(args, tol_split=1e-2, tol_ref=2e-2)
