@@ -8,6 +8,7 @@ that more than one stage family uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ __all__ = [
     "store_f32_tile",
     "load_tiles",
     "emit_tile",
+    "accumulate_passes",
     "Bars",
 ]
 
@@ -182,6 +184,16 @@ def load_tiles(copies, bar, *, late: tuple[int, ...] = ()) -> None:
     for i in range(len(copies)):
         if i not in late:
             plgpu.barrier_wait(bar.at[i])
+
+
+def accumulate_passes(pass_fn, passes: int, *scratch):
+    """``acc = pass_fn(p, acc, *refs)`` for p = 0 … passes − 1 (``acc`` None at first), each pass
+    in its own ``pl.run_scoped`` of the ``scratch`` SMEM, so consecutive passes reuse that memory.
+    Returns the last ``acc``."""
+    acc = None
+    for p in range(passes):
+        acc = pl.run_scoped(functools.partial(pass_fn, p, acc), *scratch)
+    return acc
 
 
 def emit_tile(x: jax.Array, stage_s, dst) -> None:

@@ -35,7 +35,7 @@ NSUB = CHUNK // SUB
 HALF = 64  # key / value columns per CTA or per pass of the split kernels (K = 128 in two)
 f32 = jnp.float32
 
-__all__ = ["Decay", "CHUNK", "SUB", "NSUB", "HALF", "slice_smem"]
+__all__ = ["Decay", "CHUNK", "SUB", "NSUB", "HALF", "decay_copies", "decay_smem", "slice_smem"]
 
 
 def slice_smem(shape, dtype, sliced: bool):
@@ -46,6 +46,29 @@ def slice_smem(shape, dtype, sliced: bool):
     return plgpu.SMEM(
         tuple(shape), dtype, transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     )
+
+
+def decay_smem(C: int, n: int) -> tuple:
+    """SMEM of one chunk's decay context over ``n`` key columns, in :class:`Decay`'s order:
+    G [C, n] f32, the reference rows [NSUB, n] f32 (unswizzled: read one row at a time) and
+    G_last [n] f32 (5.25 KiB at n = 64, 10.5 KiB at n = 128)."""
+    return cp.smem((C, n), f32), cp.smem((NSUB, n), f32, swizzled=False), cp.smem((n,), f32)
+
+
+def decay_copies(g_g, gr_g, gl_g, smem, *, b, hv, c, rows, cols=slice(None)) -> list:
+    """TMA copies (GMEM view, SMEM ref) of chunk ``c``'s decay context into ``smem`` (the refs of
+    :func:`decay_smem`), for batch row ``b``, value head ``hv``, the chunk's token ``rows`` and
+    the key columns ``cols``.
+
+    g_g: [B, T, HV, K] f32 cumulative log-decay; gr_g: [B, HV, T/16, K] reference rows;
+    gl_g: [B, HV, T/64, K] G_last (:func:`pallas_kernels.channel.intra.reference_rows`).
+    """
+    g_s, gr_s, gl_s = smem
+    return [
+        (g_g.at[b, rows, hv, cols], g_s),
+        (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), cols], gr_s),
+        (gl_g.at[b, hv, c, cols], gl_s),
+    ]
 
 
 class Decay:

@@ -39,7 +39,14 @@ from pallas_kernels._tiles import (
     pair_chunk_coords,
     per_chunk_kernel,
 )
-from pallas_kernels.channel.bwd_decay import CHUNK, HALF, NSUB, Decay, slice_smem
+from pallas_kernels.channel.bwd_decay import (
+    CHUNK,
+    HALF,
+    Decay,
+    decay_copies,
+    decay_smem,
+    slice_smem,
+)
 
 f32 = jnp.float32
 
@@ -58,9 +65,7 @@ def _dqkw_body(
         srcs = (
             (q_g.at[b, rows, hk, :], q_s),
             (k_g.at[b, rows, hk, :], k_s),
-            (g_g.at[b, rows, hv, :], g_s),
-            (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), :], gr_s),
-            (gl_g.at[b, hv, c, :], gl_s),
+            *decay_copies(g_g, gr_g, gl_g, (g_s, gr_s, gl_s), b=b, hv=hv, c=c, rows=rows),
             (h_g.at[b, c, hv], h_s),
             (vn_g.at[b, rows, hv, :], vn_s),
             (do_g.at[b, rows, hv, :], do_s),
@@ -124,9 +129,7 @@ def _dqkw_body(
         scoped,
         cp.smem((C, K), dt),  # q
         cp.smem((C, K), dt),  # k
-        cp.smem((C, K), f32),  # G
-        cp.smem((NSUB, K), f32, swizzled=False),  # reference rows
-        cp.smem((K,), f32),  # G_last
+        *decay_smem(C, K),  # G, reference rows, G_last
         cp.smem((K, V), dt),  # h, then dh
         cp.smem((C, V), dt),  # v_new
         cp.smem((C, V), dt),  # do
@@ -212,9 +215,9 @@ def _dqkw_ksplit_body(
 
         def phase2(q_s, k_s, g_s, gr_s, gl_s, out_s):
             srcs = (
-                (g_g.at[b, rows, hv, kc], g_s),
-                (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), kc], gr_s),
-                (gl_g.at[b, hv, c, kc], gl_s),
+                *decay_copies(
+                    g_g, gr_g, gl_g, (g_s, gr_s, gl_s), b=b, hv=hv, c=c, rows=rows, cols=kc
+                ),
                 (k_g.at[b, rows, hk, kc], k_s),
                 (q_g.at[b, rows, hk, kc], q_s),
                 (dh_g.at[b, c, hv, kc, :], h_s),  # h is done: dh takes its tile
@@ -249,9 +252,7 @@ def _dqkw_ksplit_body(
             phase2,
             cp.smem((C, KH), dt),  # q
             cp.smem((C, KH), dt),  # k
-            cp.smem((C, KH), f32),  # G
-            cp.smem((NSUB, KH), f32, swizzled=False),  # reference rows
-            cp.smem((KH,), f32),  # G_last
+            *decay_smem(C, KH),  # G, reference rows, G_last
             cp.smem((C, KH), f32),  # f32 output staging
         )
 

@@ -35,7 +35,15 @@ from pallas_kernels._tiles import (
     pair_chunk_coords,
     per_chunk_kernel,
 )
-from pallas_kernels.channel.bwd_decay import CHUNK, HALF, NSUB, Decay, slice_smem
+from pallas_kernels.channel.bwd_decay import (
+    CHUNK,
+    HALF,
+    NSUB,
+    Decay,
+    decay_copies,
+    decay_smem,
+    slice_smem,
+)
 
 f32 = jnp.float32
 
@@ -108,9 +116,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         srcs = [
             (k_g.at[b, rows, hk, :], k_s),
             (v_g.at[b, rows, hv, :], v_s),
-            (g_g.at[b, rows, hv, :], g_s),
-            (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), :], gr_s),
-            (gl_g.at[b, hv, c, :], gl_s),
+            *decay_copies(g_g, gr_g, gl_g, (g_s, gr_s, gl_s), b=b, hv=hv, c=c, rows=rows),
             (a_g.at[b, rows, hv, :], a_s),
             (dw_g.at[b, rows, hv, :], dw_s),
             (duh_g.at[b, rows, hv, :], duh_s),
@@ -195,9 +201,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         scoped,
         cp.smem((C, K), dt),  # k
         cp.smem((C, V), dt),  # v
-        cp.smem((C, K), f32),  # G
-        cp.smem((NSUB, K), f32, swizzled=False),  # reference rows
-        cp.smem((K,), f32),  # G_last
+        *decay_smem(C, K),  # G, reference rows, G_last
         gate,  # β, or (b, w_gate)
         # the wgmma operands share one swizzle (32 bytes when sliced: 16-row slices of the
         # operand scratch and of dL feed 16-deep contractions)

@@ -35,7 +35,6 @@ A, the gated v) are 16-bit. Outputs are stored in the io dtype.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +43,14 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import Bars, chunk_coords, pair_chunk_coords, per_chunk_kernel
-from pallas_kernels.channel.bwd_decay import HALF, Decay
+from pallas_kernels._tiles import (
+    Bars,
+    accumulate_passes,
+    chunk_coords,
+    pair_chunk_coords,
+    per_chunk_kernel,
+)
+from pallas_kernels.channel.bwd_decay import HALF, Decay, decay_copies, decay_smem
 
 CHUNK = 64
 SUB = 16  # rows per sub-chunk of the decay factoring
@@ -92,6 +97,22 @@ def _intra_refs(refs, cfg: ChannelIntraConfig) -> tuple:
     return (q, k, v, G, gr, gl, be, b, wg, *outs[:5], a)
 
 
+def _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt) -> jax.Array:
+    """A = (I + L)⁻¹ of the strictly lower [C, C] f32 tile ``L`` (scratch ``x_s``, ``oy_s``),
+    written in ``dt`` to the GMEM view ``a_dst`` unless it is None. Returns the left operand of
+    w and u, [C, C] f32: A, or for KDA (``be_s``: β [C] in SMEM) A with its columns scaled by β,
+    which stands for the β on the right operands' rows."""
+    X = _tiles.unit_lower_inverse(L, x_s, oy_s, dt)
+    if a_dst is not None:
+        x_s[...] = X.astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_s, a_dst)
+    if be_s is not None:
+        C = X.shape[0]
+        X = X * cp.bcast_cols(cp.col_vec(be_s, C), (C, C))
+    return X
+
+
 def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
     (q_g, k_g, v_g, G_g, gr_g, gl_g, be_g, b_g, wg_g,
      qg_g, kg_g, w_g, u_g, aqk_g, a_g) = _intra_refs(refs, cfg)  # fmt: skip
@@ -108,9 +129,7 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
             (q_g.at[b, rows, hk, :], q_s),
             (k_g.at[b, rows, hk, :], k_s),
             (v_g.at[b, rows, hv, :], v_s),
-            (G_g.at[b, rows, hv, :], G_s),
-            (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), :], gr_s),
-            (gl_g.at[b, hv, c, :], gl_s),
+            *decay_copies(G_g, gr_g, gl_g, (G_s, gr_s, gl_s), b=b, hv=hv, c=c, rows=rows),
         ]
         if scalar:
             copies.append((be_g.at[b, hv, rows], be_s))
@@ -182,18 +201,9 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         plgpu.copy_smem_to_gmem(a2_s, qg_g.at[b, rows, hv, :])
         plgpu.copy_smem_to_gmem(c_s, kg_g.at[b, rows, hv, :])
 
-        X = _tiles.unit_lower_inverse(L, x_s, oy_s, dt)
-
-        if cfg.store_a:
-            x_s[...] = X.astype(dt)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(x_s, a_g.at[b, rows, hv, :])
-        # w = A (b ⊙ e^G ⊙ k); KDA scales A's columns by β instead of the operand's rows
-        if scalar:
-            be_c = cp.col_vec(be_s, C)
-            oy_s[...] = (X * cp.bcast_cols(be_c, (C, C))).astype(dt)
-        else:
-            oy_s[...] = X.astype(dt)
+        # w = A (b ⊙ e^G ⊙ k)
+        a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
+        oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt).astype(dt)
         plgpu.commit_smem()
         q_s[...] = cp.matmul(oy_s, a_s, (C, K)).astype(dt)  # q_s is free now
         plgpu.commit_smem()
@@ -220,9 +230,7 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         cp.smem((C, K), dt),  # q, later w
         cp.smem((C, K), dt),  # k, later u
         cp.smem((C, V), dt),  # v
-        cp.smem((C, K), f32),  # G
-        cp.smem((NSUB, K), f32, swizzled=False),  # reference rows
-        cp.smem((K,), f32),  # G_last
+        *decay_smem(C, K),  # G, reference rows, G_last
         gate,
         cp.smem((C, K), dt),  # row operand (L), later the w and u right operands
         cp.smem((C, K), dt),  # row operand (Aqk), later qg
@@ -345,15 +353,14 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 plgpu.commit_smem()
                 return L
 
-            L = None
-            for p in range(npass):
-                L = pl.run_scoped(
-                    functools.partial(l_pass, p, L),
-                    tile(),  # k
-                    tile(f32),  # G
-                    cp.smem((NSUB, H2), f32, swizzled=False),  # reference rows
-                    cp.smem((8,), f32) if scalar else tile(f32),  # b (GDN2)
-                )
+            L = accumulate_passes(
+                l_pass,
+                npass,
+                tile(),  # k
+                tile(f32),  # G
+                cp.smem((NSUB, H2), f32, swizzled=False),  # reference rows
+                cp.smem((8,), f32) if scalar else tile(f32),  # b (GDN2)
+            )
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
             L = jnp.where(row > col, L, 0.0)
@@ -367,15 +374,9 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                         [(wg_g.at[b, rows, hv, cols(p)], wg_s[p]) for p in range(npass)],
                         wait=False,
                     )
-                X = _tiles.unit_lower_inverse(L, x_s, oy_s, dt)
-                if cfg.store_a:
-                    x_s[...] = X.astype(dt)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(x_s, a_g.at[b, rows, hv, :])
-                # KDA scales A's columns by β instead of the right operands' rows
-                if scalar:
-                    X = X * cp.bcast_cols(cp.col_vec(be_s, C), (C, C))
-                oy_s[...] = X.astype(dt)
+                a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
+                beta = be_s if scalar else None  # GDN2: be_s is an unused placeholder
+                oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, beta, dt).astype(dt)
                 plgpu.commit_smem()
 
                 n_out = [0]
@@ -423,9 +424,17 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
             def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s):
                 bars.load(
                     [
-                        (G_g.at[b, rows, hv, cols(p)], g_s),
-                        (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), cols(p)], gr_s),
-                        (gl_g.at[b, hv, c, cols(p)], gl_s),
+                        *decay_copies(
+                            G_g,
+                            gr_g,
+                            gl_g,
+                            (g_s, gr_s, gl_s),
+                            b=b,
+                            hv=hv,
+                            c=c,
+                            rows=rows,
+                            cols=cols(p),
+                        ),
                         (q_g.at[b, rows, hk, cols(p)], q_s),
                         (k_g.at[b, rows, hk, cols(p)], k_s),
                     ]
@@ -447,16 +456,13 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
                 return P
 
-            P = None
-            for p in range(npass):
-                P = pl.run_scoped(
-                    functools.partial(p_pass, p, P),
-                    tile(),  # q
-                    tile(),  # k
-                    tile(f32),  # G
-                    cp.smem((NSUB, H2), f32, swizzled=False),  # reference rows
-                    cp.smem((H2,), f32),  # G_last
-                )
+            P = accumulate_passes(
+                p_pass,
+                npass,
+                tile(),  # q
+                tile(),  # k
+                *decay_smem(C, H2),  # G, reference rows, G_last
+            )
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
             st_s[0][...] = jnp.where(row >= col, P, 0.0).astype(dt)
