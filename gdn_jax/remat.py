@@ -32,6 +32,7 @@ __all__ = [
     "GDN_GATE_CUMSUM",
     "GDN_A",
     "GDN_CHUNK_STATES",
+    "GDN_INTRA",
     "CORE_RESIDUALS",
     "GDN_QKV",
     "GDN_GATES",
@@ -52,8 +53,11 @@ __all__ = [
 GDN_GATE_CUMSUM = "gdn_gate_cumsum"  # chunk-local cumulative log-decay, f32
 GDN_A = "gdn_A"  # (I + strict_tril(β K Kᵀ ⊙ decay))⁻¹ per chunk
 GDN_CHUNK_STATES = "gdn_chunk_states"  # state entering each chunk, f32 [.., HV, K, V]
+# GDN2/KDA Pallas core: the intra kernel's other products (decayed q and k, the WY keys w and
+# values u, the intra-chunk attention Aqk), io dtype [.., HV, K|V|64]
+GDN_INTRA = "gdn_intra"
 
-CORE_RESIDUALS = (GDN_GATE_CUMSUM, GDN_A, GDN_CHUNK_STATES)
+CORE_RESIDUALS = (GDN_GATE_CUMSUM, GDN_A, GDN_CHUNK_STATES, GDN_INTRA)
 
 # Main activations of a layer (named by gdn_jax.nn / gdn_jax.models).
 GDN_QKV = "gdn_qkv"  # q, k, v after the short conv: the core's inputs, [B, T, H|HV, K|V]

@@ -21,16 +21,19 @@ Core (:func:`_core`, a ``custom_vjp`` with a frozen :class:`ChannelConfig`) on p
     h0   : [N, HV, K, V]   f32 initial state
   → (o [N, Tp, HV, V] io dtype, final state [N, HV, K, V] f32)
 
-**Residuals** (the tuple ``res`` handed to :func:`_backward`) are exactly the core's inputs, in this
-order: ``(q, k, v, G, b, w, h0)``; G is wrapped in ``checkpoint_name(.., GDN_GATE_CUMSUM)`` so
-remat policies can save or offload it. Nothing else is saved: the backward recomputes A, w, u (and
-qg, kg, Aqk) with :func:`pallas_kernels.channel.intra.channel_intra`
-(``ChannelIntraConfig(scalar_beta=cfg.scalar_beta, store_a=True)``; KDA passes β transposed to
-[N, HV, Tp]) and h, v_new with :func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd`
-(``store_h=True``; decay_last from :func:`decay_last`). :func:`_backward` returns the cotangents
-in the same structure: ``(dq, dk, dv, dG, db, dw, dh0)`` with dG w.r.t. the cumsum G (the
-reverse cumsum to dg happens outside, by autodiff of the glue), db [N, Tp, HV] for KDA and
-dw None for KDA.
+**Residuals** (the tuple ``res`` handed to :func:`_backward`): the core's inputs
+``(q, k, v, G, b, w, h0)`` followed by the intra kernel's products ``(qg, kg, wk, u, Aqk, A)``
+(each [N, Tp, HV, K|V|64] io dtype; the forward's :func:`pallas_kernels.channel.intra.channel_intra`
+stores A for them). G is named :data:`gdn_jax.remat.GDN_GATE_CUMSUM`, A
+:data:`~gdn_jax.remat.GDN_A` and the other five :data:`~gdn_jax.remat.GDN_INTRA`, so remat
+policies can save, offload or recompute them. Saving the products spares the backward the intra
+kernel (1.5 ms of KDA's fwd+bwd at B4 T4096 HV16 on the H200) for about as many residual bytes
+again as the inputs; under ``jax.checkpoint`` with a policy that does not save them, JAX reruns
+the forward kernels in the backward instead. :func:`_backward` recomputes h and v_new with
+:func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd` (``store_h=True``; decay_last from
+:func:`decay_last`) and returns the cotangents of the inputs: ``(dq, dk, dv, dG, db, dw, dh0)``
+with dG w.r.t. the cumsum G (the reverse cumsum to dg happens outside, by autodiff of the glue),
+db [N, Tp, HV] for KDA and dw None for KDA.
 
 The backward runs the Mosaic GPU backward kernels (:mod:`gdn_jax.ops._channel_pallas_bwd`).
 :func:`_xla_core` computes the same core with the xla chunked path: the tests differentiate it as
@@ -57,6 +60,7 @@ from gdn_jax.ops._gdn_pallas import (
     wipe_first_tokens,
 )
 from gdn_jax.reference._common import chunk_layout, l2norm
+from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
 from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
@@ -102,22 +106,38 @@ def kernel_beta(b: jax.Array) -> jax.Array:
 # (as in gdn_jax.ops._gdn_pallas).
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(cfg: ChannelConfig, q, k, v, G, b, w, h0):
+def intra_config(cfg: ChannelConfig, K: int, *, store_a: bool) -> ChannelIntraConfig:
+    """The intra kernel's form for this core (K: the head size).
+
+    Split over two CTAs (``ChannelIntraConfig.split``) at K = 128 for GDN2 always and for KDA when A
+    is stored, as measured on the H200 at B4 T4096 HV16 (benchmarks/RESULTS.md, session 6): GDN2
+    1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA without A 1.45 vs 1.40.
+    """
+    split = K == 128 and (store_a or not cfg.scalar_beta)
+    return ChannelIntraConfig(scalar_beta=cfg.scalar_beta, store_a=store_a, split=split)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0):
+    """(o, final state, products): products are the intra kernel's ``(qg, kg, wk, u, Aqk, A)``
+    (the backward's inputs, A stored by the kernel) when ``with_products``, else None."""
     with cfg.kernels():
-        icfg = ChannelIntraConfig(scalar_beta=cfg.scalar_beta)
+        icfg = intra_config(cfg, q.shape[-1], store_a=with_products)
         bk = kernel_beta(b) if cfg.scalar_beta else b
-        qg, kg, wk, u, aqk = channel_intra(q, k, v, G, bk, w, icfg)
+        products = channel_intra(q, k, v, G, bk, w, icfg)
+        qg, kg, wk, u, aqk = products[:5]
         o, ht = channel_chunk_fwd(
             qg, kg, wk, u, aqk, decay_last(G), h0, ChannelFwdConfig(scale=cfg.scale)
         )
-    return o, ht
+    return o, ht, (products if with_products else None)
 
 
 def _core_fwd(cfg, q, k, v, G, b, w, h0):
-    o, ht = _forward(cfg, q, k, v, G, b, w, h0)
+    o, ht, products = _forward(cfg, True, q, k, v, G, b, w, h0)
     G = checkpoint_name(G, remat.GDN_GATE_CUMSUM)
-    return (o, ht), (q, k, v, G, b, w, h0)
+    *products, A = products
+    products = (*remat.name(tuple(products), remat.GDN_INTRA), checkpoint_name(A, remat.GDN_A))
+    return (o, ht), (q, k, v, G, b, w, h0, *products)
 
 
 def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
@@ -146,25 +166,25 @@ def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
     """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0)`` (structure of ``res``).
 
     The Mosaic GPU backward (:func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`):
-    recompute qg, kg, w, u, Aqk, A and h, v_new with the forward's kernels, then the reverse
-    state-gradient loop, dq/dk/dw per chunk and the WY backward per chunk.
+    recompute h, v_new with the forward's state kernel, then the reverse state-gradient loop,
+    dq/dk/dw per chunk and the WY backward per chunk.
 
     Args:
       cfg: the core's :class:`ChannelConfig`.
-      res: ``(q, k, v, G, b, w, h0)`` as described in the module docstring.
+      res: ``(q, k, v, G, b, w, h0, qg, kg, wk, u, Aqk, A)`` as described in the module
+        docstring.
       cts: ``(do [N, Tp, HV, V] io dtype, dht [N, HV, K, V] f32)``.
     """
     from gdn_jax.ops._channel_pallas_bwd import channel_backward_pallas
 
-    q, k, v, G, b, w, h0 = res
     do, dht = cts
     with cfg.kernels():
-        return channel_backward_pallas(q, k, v, G, b, w, h0, do, dht, scale=cfg.scale)
+        return channel_backward_pallas(*res[:7], res[7:], do, dht, scale=cfg.scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
-    return _forward(cfg, q, k, v, G, b, w, h0)
+    return _forward(cfg, False, q, k, v, G, b, w, h0)[:2]
 
 
 # No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
@@ -194,8 +214,7 @@ def _unsupported(q, v, chunk_size) -> str | None:
 def _cumsum(g: jax.Array) -> jax.Array:
     """Chunk-local cumsum over the row axis of [N, Tp, ...] (f32)."""
     N, Tp = g.shape[:2]
-    Gc = jnp.cumsum(g.astype(f32).reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:]), axis=2)
-    return Gc.reshape(g.shape)
+    return gate_cumsum(g.reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:])).reshape(g.shape)
 
 
 # smallest per-token log-decay the kernels see (see channel_pallas)

@@ -1,16 +1,16 @@
 """Backward of the channel-decay (GDN2 / KDA) Pallas core: the Mosaic GPU kernel sequence.
 
 Called by :func:`gdn_jax.ops._channel_pallas._backward` with the core's residuals (its inputs on
-padded lanes, see that module's docstring) and cotangents. Five launches plus small XLA glue:
+padded lanes and the forward intra kernel's products qg, kg, w, u, Aqk, A, see that module's
+docstring) and cotangents. Four launches plus small XLA glue:
 
-1. recompute qg, kg, w, u, Aqk and A        :func:`pallas_kernels.channel.intra.channel_intra`
-2. recompute h (state entering each chunk) and v_new
+1. recompute h (state entering each chunk) and v_new
                                             :func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd`
-3. reverse state-gradient loop: dh per chunk, dv2 = dL/dv_new, dh0
+2. reverse state-gradient loop: dh per chunk, dv2 = dL/dv_new, dh0
                                             :func:`pallas_kernels.channel.bwd_dh.channel_bwd_dh`
-4. dq, dk (output/state parts), dw (WY), dG pieces, per chunk
+3. dq, dk (output/state parts), dw (WY), dG pieces, per chunk
                                             :func:`pallas_kernels.channel.bwd_dqkw.channel_bwd_dqkw`
-5. through the WY representation and A: dk, dv, dG, db, dw_gate (KDA: dβ), per chunk
+4. through the WY representation and A: dk, dv, dG, db, dw_gate (KDA: dβ), per chunk
                                             :func:`pallas_kernels.channel.bwd_wy.channel_bwd_wy`
 
 XLA only sums the GVA value heads of a q/k head, the dG pieces, and adds the chunk-last-row term
@@ -27,7 +27,7 @@ from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
 from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
-from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
+from pallas_kernels.channel.intra import reference_rows
 
 __all__ = ["channel_backward_pallas"]
 
@@ -36,7 +36,20 @@ f32 = jnp.float32
 
 
 def channel_backward_pallas(
-    q, k, v, G, b, w, h0, do, dht, *, scale: float, sliced: bool = False, k_split: bool = True
+    q,
+    k,
+    v,
+    G,
+    b,
+    w,
+    h0,
+    products,
+    do,
+    dht,
+    *,
+    scale: float,
+    sliced: bool = False,
+    k_split: bool = True,
 ):
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
 
@@ -46,6 +59,9 @@ def channel_backward_pallas(
       b: GDN2: [N, T, HV, K] f32 erase gate; KDA: β [N, T, HV] f32 (then ``w`` is None).
       w: GDN2: [N, T, HV, V] f32 write gate; KDA: None.
       h0: [N, HV, K, V] f32 initial state.
+      products: the forward intra kernel's ``(qg, kg, wk, u, Aqk, A)``
+        (:func:`pallas_kernels.channel.intra.channel_intra` with ``store_a``): [N, T, HV, K] ×3,
+        [N, T, HV, V], [N, T, HV, 64] ×2, io dtype.
       do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state.
       scale: the output scale.
       sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices
@@ -73,8 +89,7 @@ def channel_backward_pallas(
     egl = jnp.exp(gl)
     bk = b.transpose(0, 2, 1) if scalar else b  # KDA: β as [N, HV, T] (TMA unit stride)
 
-    icfg = ChannelIntraConfig(scalar_beta=scalar, store_a=True)
-    qg, kg, wk, u, aqk, A = channel_intra(q, k, v, G, bk, w, icfg)
+    qg, kg, wk, u, aqk, A = products
     h, vn = channel_chunk_fwd(
         None, kg, wk, u, None, egl, h0, ChannelFwdConfig(scale=scale, store_h=True)
     )

@@ -35,6 +35,7 @@ from gdn_jax.reference._common import (
     l2norm,
     to_chunks,
 )
+from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import LoopConfig
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
@@ -337,7 +338,7 @@ def _kernel_gates(g: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Lane gates [N, rows, HV] (rows % 64 == 0) as the kernels read them: the chunk-local
     cumulative log-decay G and β, both [N, HV, rows] f32."""
     N, rows, HV = g.shape
-    G = jnp.cumsum(g.astype(f32).reshape(N, rows // CHUNK, CHUNK, HV), axis=2)
+    G = gate_cumsum(g.reshape(N, rows // CHUNK, CHUNK, HV))
     return G.reshape(N, rows, HV).transpose(0, 2, 1), beta.astype(f32).transpose(0, 2, 1)
 
 

@@ -69,8 +69,11 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False, k_split=Tru
         _, vjp = jax.vjp(lambda *a: cpm._xla_core(cfg, *a), *res)
         return vjp(cts)
 
-    def mine(res, cts):
-        return channel_backward_pallas(*res, *cts, scale=cfg.scale, sliced=sliced, k_split=k_split)
+    def mine(res, cts):  # the forward kernels' products, then the backward driver
+        products = cpm._forward(cfg, True, *res)[2]
+        return channel_backward_pallas(
+            *res, products, *cts, scale=cfg.scale, sliced=sliced, k_split=k_split
+        )
 
     if jit:  # cotangents are arguments: as closure constants XLA would constant-fold them (slow)
         xla_vjp, mine = jax.jit(xla_vjp), jax.jit(mine)
