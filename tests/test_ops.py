@@ -166,15 +166,16 @@ def test_selector_falls_back_and_rejects_unknown():
 
 
 def test_default_order_per_variant(monkeypatch):
-    """Off Hopper every op runs xla; on Hopper GDN and the decode steps try Pallas first, while
-    KDA/GDN2 keep xla until their kernels pass the GPU suite (explicit "pallas" still works)."""
+    """Off Hopper every op runs xla; on Hopper every variant and the decode steps try Pallas
+    first, falling back to xla."""
     from gdn_jax import ops
 
     assert all(ops.default_implementations(v) == ("xla",) for v in ("gdn", "kda", "step"))
     monkeypatch.setattr(ops, "_on_hopper", lambda: True)
     assert ops.default_implementations("gdn") == ("pallas", "xla")
     assert ops.default_implementations("step") == ("pallas", "xla")
-    assert ops.default_implementations("kda") == ops.default_implementations("gdn2") == ("xla",)
+    for v in ("kda", "gdn2"):
+        assert ops.default_implementations(v) == ("pallas", "xla")
 
 
 def test_empty_time_axis():

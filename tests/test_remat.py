@@ -167,3 +167,33 @@ def test_model_offload_fraction(fraction, expected):
         return nnx.merge(graphdef, params)(tokens).sum()
 
     assert len(host_shapes(str(jax.make_jaxpr(jax.grad(loss))(params)))) == expected
+
+
+
+
+def _kda_pallas_loss(q, k, v, g, beta):
+    # linear in o: its gradient does not need o itself (the layer names o GDN_CORE_OUT for that)
+    o, _ = gdn_jax.kda(q, k, v, g, beta, implementation="pallas")
+    return jnp.sum(o.astype(jnp.float32))
+
+
+def test_channel_pallas_products_follow_the_policy():
+    """The KDA/GDN2 Pallas core keeps its intra kernel's products as named residuals: an offload
+    policy moves them (5 ``gdn_intra`` + A, [1, 64, 2, 64] each) to host memory, and only a remat
+    policy makes the backward rerun the intra kernel. Checked on the traced and CUDA-lowered
+    program (the CPU interpreter's ordered callbacks cannot run under ``jax.checkpoint``)."""
+    from pallas_kernels import _compat as pk
+
+    T, H, K = 64, 2, 64
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    args = (S((1, T, H, K), bf),) * 3 + (S((1, T, H, K), jnp.float32), S((1, T, H), jnp.float32))
+    for action in ("save", "offload", "remat"):
+        pol = remat.remat_policy(dict.fromkeys((remat.GDN_INTRA, remat.GDN_A), action))
+        f = jax.value_and_grad(jax.checkpoint(_kda_pallas_loss, policy=pol), argnums=range(5))
+        with pk.cuda_lowering_mesh():
+            moved = host_shapes(str(jax.make_jaxpr(f)(*args)))
+            txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert sorted(moved) == ([("bf16", f"[1,{T},{H},64]")] * 6 if action == "offload" else [])
+        calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
+        intra = sum(bool(re.search(r"\\00chan_intra\\00", ln)) for ln in calls)
+        assert intra == (2 if action == "remat" else 1), (action, intra)
