@@ -169,8 +169,6 @@ def test_model_offload_fraction(fraction, expected):
     assert len(host_shapes(str(jax.make_jaxpr(jax.grad(loss))(params)))) == expected
 
 
-
-
 def _kda_pallas_loss(q, k, v, g, beta):
     # linear in o: its gradient does not need o itself (the layer names o GDN_CORE_OUT for that)
     o, _ = gdn_jax.kda(q, k, v, g, beta, implementation="pallas")
