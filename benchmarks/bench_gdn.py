@@ -225,10 +225,12 @@ def bench_stages(s, x) -> dict:
 
 def bench_channel_stages(s, x, variant) -> dict:
     """Per-kernel times of the GDN2/KDA pallas forward and backward (padded layout, T a multiple
-    of 64), in the order :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs
-    them; ``…(sliced)`` times the sub-chunk-sliced variant of a backward kernel, ``…(k_split)``
-    the variant with one CTA per half of K, ``chan_intra(…split)`` the intra kernel with its work
-    split over two CTAs (``ChannelIntraConfig.split``)."""
+    of 64): ``chan_intra`` as inference runs it, ``chan_intra(store_a…)`` as a differentiated
+    forward runs it (keeping A for the backward), then the backward's kernels in the order
+    :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(sliced)``
+    times the sub-chunk-sliced variant of a backward kernel, ``…(k_split)`` the variant with one
+    CTA per half of K, ``chan_intra(…split)`` the intra kernel with its work split over two CTAs
+    (``ChannelIntraConfig.split``)."""
     from gdn_jax.ops._channel_pallas import decay_last, kernel_beta
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.channel.bwd_dh import channel_bwd_dh
@@ -260,7 +262,7 @@ def bench_channel_stages(s, x, variant) -> dict:
         "chan_intra(split)": time_jax(intra_s, (q, k, v, G, *gates)),
         "chan_chunk_fwd": time_jax(fwd, (qg, kg, wk, u, aqk, dl, h0)),
     }
-    # backward: the kernels' inputs as channel_backward_pallas makes them
+    # differentiated forward (stores A), then the backward kernels' inputs as the driver makes them
     acfg = dataclasses.replace(icfg, store_a=True)
     intra_a = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, acfg))
     A = intra_a(q, k, v, G, *gates)[-1]
