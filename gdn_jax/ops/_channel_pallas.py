@@ -106,14 +106,15 @@ def kernel_beta(b: jax.Array) -> jax.Array:
 # (as in gdn_jax.ops._gdn_pallas).
 
 
-def intra_config(cfg: ChannelConfig, K: int, *, store_a: bool) -> ChannelIntraConfig:
-    """The intra kernel's form for this core (K: the head size).
+def intra_config(cfg: ChannelConfig, K: int, V: int, *, store_a: bool) -> ChannelIntraConfig:
+    """The intra kernel's form for this core (K, V: the head sizes).
 
-    Split over two CTAs (``ChannelIntraConfig.split``) at K = 128 for GDN2 always and for KDA when A
-    is stored, as measured on the H200 at B4 T4096 HV16 (benchmarks/RESULTS.md, session 6): GDN2
-    1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA without A 1.45 vs 1.40.
+    Split over two CTAs (``ChannelIntraConfig.split``) at K = V = 128 for GDN2 always and for KDA
+    when A is stored, as measured on the H200 at B4 T4096 HV16 (benchmarks/RESULTS.md, session
+    6): GDN2 1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA without A 1.45
+    vs 1.40.
     """
-    split = K == 128 and (store_a or not cfg.scalar_beta)
+    split = K == V == 128 and (store_a or not cfg.scalar_beta)
     return ChannelIntraConfig(scalar_beta=cfg.scalar_beta, store_a=store_a, split=split)
 
 
@@ -122,7 +123,7 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0):
     """(o, final state, products): products are the intra kernel's ``(qg, kg, wk, u, Aqk, A)``
     (the backward's inputs, A stored by the kernel) when ``with_products``, else None."""
     with cfg.kernels():
-        icfg = intra_config(cfg, q.shape[-1], store_a=with_products)
+        icfg = intra_config(cfg, q.shape[-1], v.shape[-1], store_a=with_products)
         bk = kernel_beta(b) if cfg.scalar_beta else b
         products = channel_intra(q, k, v, G, bk, w, icfg)
         qg, kg, wk, u, aqk = products[:5]
@@ -201,8 +202,8 @@ def _unsupported(q, v, chunk_size) -> str | None:
         # f16 would stage the f32 state as an f16 tensor-core operand (max 65504): DESIGN §3
         # forbids it, so f16 (like f32) runs on "xla".
         return f"{q.dtype=}: the Pallas kernels take bf16 (f16 and f32 run on 'xla')"
-    if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
-        return f"{q.shape=} {v.shape=}: the Pallas kernels need K == V in {{64, 128}}"
+    if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
+        return f"{q.shape=} {v.shape=}: the Pallas kernels need K, V in {{64, 128}}"
     if chunk_size != CHUNK:
         return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
     mode = pk.execution_mode()

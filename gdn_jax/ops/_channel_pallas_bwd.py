@@ -54,7 +54,7 @@ def channel_backward_pallas(
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
 
     Args:
-      q, k: [N, T, H, K] io dtype (bf16); v: [N, T, HV, V] io dtype; K == V in {64, 128}.
+      q, k: [N, T, H, K] io dtype (bf16); v: [N, T, HV, V] io dtype; K, V in {64, 128}.
       G: [N, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [N, T, HV, K] f32 erase gate; KDA: β [N, T, HV] f32 (then ``w`` is None).
       w: GDN2: [N, T, HV, V] f32 write gate; KDA: None.
@@ -82,7 +82,7 @@ def channel_backward_pallas(
     nt = T // CHUNK
     dt = q.dtype
     scalar = w is None
-    k_split = k_split and K == 128
+    k_split = k_split and K == v.shape[-1] == 128
     do = do.astype(dt)
     dht = dht.astype(f32)
     gr, gl = reference_rows(G)

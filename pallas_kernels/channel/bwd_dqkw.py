@@ -307,8 +307,6 @@ def channel_bwd_dqkw(
     """
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
-    if V != K:
-        raise NotImplementedError(f"{q.shape=} {v_new.shape=}: channel_bwd_dqkw needs K == V")
     if T % CHUNK:
         raise ValueError(f"{q.shape=}: T must be a multiple of {CHUNK}")
     nt = T // CHUNK
@@ -323,6 +321,10 @@ def channel_bwd_dqkw(
     if k_split and K not in (HALF, 2 * HALF):
         raise NotImplementedError(f"{q.shape=}: channel_bwd_dqkw(k_split=True) needs K = 64 or 128")
     pair = k_split and K == 2 * HALF
+    if pair and V != K:
+        raise NotImplementedError(
+            f"{q.shape=} {v_new.shape=}: channel_bwd_dqkw(k_split=True) needs K == V at K = 128"
+        )
     if pair:
 
         def body(*refs):

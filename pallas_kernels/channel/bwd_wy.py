@@ -108,7 +108,9 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
     dt = k_g.dtype
 
     def scoped(k_s, v_s, g_s, gr_s, gl_s, gate_s, a_s, dw_s, duh_s, dul_s, x_s, m_s, st_s,
-               vec_s, bar):  # fmt: skip
+               vec_s, bar, *extra):  # fmt: skip
+        # [C, V] operand scratch: the [C, K] one when V == K, else its own tile (``extra``)
+        xv_s = x_s if V == K else extra[0]
         if scalar:
             be_s, b_s, wg_s = gate_s, None, None
         else:
@@ -128,7 +130,8 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
             srcs += [(b_g.at[b, rows, hv, :], b_s), (wg_g.at[b, rows, hv, :], wg_s)]
         load_tiles(srcs, bar)
 
-        out_s = st_s if scalar else wg_s  # f32 staging (GDN2: the write-gate tile once used)
+        # f32 [C, K] staging: KDA's own tile; GDN2 the write-gate tile once used (when V == K)
+        out_s = st_s if scalar else (wg_s if V == K else extra[1])
 
         dec = Decay(g_s, gr_s, gl_s, dt)
         k = cp.load_tile(k_s).astype(f32)
@@ -147,10 +150,10 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
             wgt = cp.bcast_rows(cp.row_vec(be_s), (C, V))
         else:
             wgt = cp.load_tile(wg_s)
-        x_s[...] = (wgt * vt).astype(dt)
+        xv_s[...] = (wgt * vt).astype(dt)
         plgpu.commit_smem()
 
-        dA = dA + cp.matmul_sum(((duh_s, x_s.T), (dul_s, x_s.T)), (C, C))
+        dA = dA + cp.matmul_sum(((duh_s, xv_s.T), (dul_s, xv_s.T)), (C, C))
 
         dwv = cp.matmul_sum(((a_s.T, duh_s), (a_s.T, dul_s)), (C, V))
         dv = dwv * wgt
@@ -158,10 +161,10 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         if scalar:
             dbe = jnp.sum(dwg, axis=1)
         else:
-            emit_tile(dwg, out_s, dwg_g.at[b, rows, hv, :])
-        x_s[...] = dv.astype(dt)  # dv leaves in the io dtype, staged in the (free) operand tile
+            emit_tile(dwg, wg_s, dwg_g.at[b, rows, hv, :])  # [C, V]: the used write-gate tile
+        xv_s[...] = dv.astype(dt)  # dv leaves in the io dtype, staged in the (free) operand tile
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(x_s, dv_g.at[b, rows, hv, :])
+        plgpu.copy_smem_to_gmem(xv_s, dv_g.at[b, rows, hv, :])
 
         dL = _neg_inverse_product(dec, m_s, a_s, dA)  # strict lower part kept below
         row = cp.iota((C, C), 0)
@@ -197,6 +200,11 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
     else:
         gate = (cp.smem((C, K), f32), cp.smem((C, V), f32))
         n_bar = 11
+    extra = []  # V != K: the [C, V] operand scratch (and GDN2's [C, K] f32 staging)
+    if V != K:
+        extra.append(slice_smem((C, V), dt, sliced))
+        if not scalar:
+            extra.append(cp.smem((C, K), f32))
     pl.run_scoped(
         scoped,
         cp.smem((C, K), dt),  # k
@@ -214,6 +222,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         cp.smem((C, K), f32) if scalar else cp.smem((8,), f32),  # f32 staging (KDA)
         cp.smem((C,), f32),  # dβ (KDA)
         plgpu.Barrier(num_barriers=n_bar),
+        *extra,
     )
 
 
@@ -409,7 +418,7 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
 
     Args:
       k: [B, T, H, K]; v: [B, T, HV, V]; A: [B, T, HV, 64]; dw: [B, T, HV, K];
-        du_hi, du_lo: [B, T, HV, V] (all io dtype). K == V, T % 64 == 0.
+        du_hi, du_lo: [B, T, HV, V] (all io dtype). K, V ∈ {64, 128}, T % 64 == 0.
       g_cum: [B, T, HV, K] f32; gr, gl: reference rows / G_last (see :mod:`bwd_dqkw`).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
       w_gate: GDN2: [B, T, HV, V] f32; KDA: None.
@@ -422,8 +431,6 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    if K != V:
-        raise NotImplementedError(f"{k.shape=} {v.shape=}: channel_bwd_wy needs K == V")
     if config.scalar_beta != (w_gate is None):
         raise ValueError("w_gate must be None exactly when config.scalar_beta")
     S = jax.ShapeDtypeStruct
@@ -436,8 +443,10 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
         ins = (k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo)
 
     if config.k_split:
-        if K != 2 * HALF:
-            raise NotImplementedError(f"{k.shape=}: the k_split channel_bwd_wy needs K == V == 128")
+        if K != 2 * HALF or V != K:
+            raise NotImplementedError(
+                f"{k.shape=} {v.shape=}: the k_split channel_bwd_wy needs K == V == 128"
+            )
         if config.scalar_beta:  # a partial dβ per (value head, K-half): row 2 hv + kh
             out_type[3] = S((B, 2 * HV, T), f32)
 

@@ -211,16 +211,19 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         # u = A (w_gate ⊙ v)
         for i in late:
             plgpu.barrier_wait(bar.at[i])
+        # [C, V] staging: the free [C, K] tiles when V == K, else v's own tile (each thread
+        # rewrites only the elements it has read)
         if scalar:
             rhs = v_s
         else:
-            a_s[...] = (cp.load_tile(wg_s) * cp.load_tile(v_s).astype(f32)).astype(dt)
+            rhs = a_s if V == K else v_s
+            rhs[...] = (cp.load_tile(wg_s) * cp.load_tile(v_s).astype(f32)).astype(dt)
             plgpu.commit_smem()
-            rhs = a_s
         u = cp.matmul(oy_s, rhs, (C, V))
-        k_s[...] = u.astype(dt)  # k_s is free now
+        u_s = k_s if V == K else v_s  # k_s is free now (v_s too: u is in registers)
+        u_s[...] = u.astype(dt)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_s, u_g.at[b, rows, hv, :])
+        plgpu.copy_smem_to_gmem(u_s, u_g.at[b, rows, hv, :])
         plgpu.wait_smem_to_gmem(0)
 
     gate = cp.smem((C,), f32) if scalar else (cp.smem((C, K), f32), cp.smem((C, V), f32))
@@ -509,7 +512,7 @@ def channel_intra(
 
     Args:
       q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
-      v: [B, T, HV, V], same dtype; HV % H == 0; V == K.
+      v: [B, T, HV, V], same dtype; HV % H == 0; K, V ∈ {64, 128}.
       G: [B, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
         Padded rows zero.
@@ -525,8 +528,6 @@ def channel_intra(
     HV, V = v.shape[2], v.shape[3]
     if T % CHUNK:
         raise ValueError(f"{k.shape=}: T must be a multiple of {CHUNK}")
-    if V != K:
-        raise ValueError(f"{k.shape=} {v.shape=}: the kernel needs V == K")
     if config.scalar_beta != (w_gate is None):
         raise ValueError("w_gate must be None exactly when config.scalar_beta")
     gr, gl = reference_rows(G)
@@ -542,7 +543,7 @@ def channel_intra(
         out_type.append(jax.ShapeDtypeStruct((B, T, HV, CHUNK), dt))
 
     if config.split:
-        if K % HALF or K > 2 * HALF:
+        if K % HALF or K > 2 * HALF or V != K:
             raise NotImplementedError(
                 f"{k.shape=}: the split channel_intra needs K == V ∈ {{64, 128}}"
             )

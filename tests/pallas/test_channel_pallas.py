@@ -31,14 +31,16 @@ KERNELS = ("chan_intra", "chan_chunk_fwd")
 
 
 @pytest.mark.parametrize(
-    "variant,B,T,H,HV,cu",
+    "variant,B,T,H,HV,cu,K,V",
     [
-        ("gdn2", 1, 100, 1, 2, None),  # GVA, partial last chunk, initial/final state
-        ("kda", 1, 100, 1, 1, [0, 30, 30, 100]),  # packed with an empty sequence, states
+        ("gdn2", 1, 100, 1, 2, None, 64, 64),  # GVA, partial last chunk, initial/final state
+        ("kda", 1, 100, 1, 1, [0, 30, 30, 100], 64, 64),  # packed with an empty sequence, states
+        ("gdn2", 1, 70, 1, 1, None, 64, 128),  # K != V both ways
+        ("kda", 1, 70, 1, 2, None, 128, 64),
     ],
 )
-def test_interpret_forward_and_grads(variant, B, T, H, HV, cu):
-    x, cu, cts = channel_case(0, variant, B, T, H, HV, 64, 64, cu)
+def test_interpret_forward_and_grads(variant, B, T, H, HV, cu, K, V):
+    x, cu, cts = channel_case(0, variant, B, T, H, HV, K, V, cu)
     run_interpreted(
         lambda: check_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16, jit=False)
     )
@@ -48,15 +50,19 @@ def test_interpret_forward_and_grads(variant, B, T, H, HV, cu):
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
 
 
-@pytest.mark.parametrize("variant,K,HV", [("gdn2", 128, 4), ("kda", 128, 4), ("gdn2", 64, 2)])
-def test_lowers_for_cuda(variant, K, HV):
+@pytest.mark.parametrize(
+    "variant,K,V,HV",
+    [("gdn2", 128, 128, 4), ("kda", 128, 128, 4), ("gdn2", 64, 64, 2), ("gdn2", 128, 64, 2),
+     ("kda", 64, 128, 2)],
+)  # fmt: skip
+def test_lowers_for_cuda(variant, K, V, HV):
     B, T, H = 1, 200, 2
     S, bf, f = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-    gates = (S((B, T, HV, K), f), S((B, T, HV, K), f), S((B, T, HV, K), f))
+    gates = (S((B, T, HV, K), f), S((B, T, HV, K), f), S((B, T, HV, V), f))
     if variant == "kda":
         gates = (S((B, T, HV, K), f), S((B, T, HV), f))
-    args = (S((B, T, H, K), bf), S((B, T, H, K), bf), S((B, T, HV, K), bf), *gates)
-    args += (S((3, HV, K, K), f), S((4,), jnp.int32))
+    args = (S((B, T, H, K), bf), S((B, T, H, K), bf), S((B, T, HV, V), bf), *gates)
+    args += (S((3, HV, K, V), f), S((4,), jnp.int32))
     op = pallas_op(variant)
 
     def f(*a):
@@ -98,7 +104,7 @@ _KW = dict(
         (jnp.float32, 64, 64, 64),
         (jnp.float16, 64, 64, 64),
         (jnp.bfloat16, 32, 32, 64),
-        (jnp.bfloat16, 64, 128, 64),
+        (jnp.bfloat16, 64, 32, 64),
         (jnp.bfloat16, 64, 64, 32),
     ],
 )
@@ -165,6 +171,13 @@ GPU_CASES = [
 @pytest.mark.parametrize("B,T,H,HV,cu", GPU_CASES)
 def test_gpu_matches_reference(variant, B, T, H, HV, cu):
     x, cu, cts = channel_case(7, variant, B, T, H, HV, 128, 128, cu)
+    check_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,K,V", [("gdn2", 64, 128), ("kda", 128, 64)])
+def test_gpu_k_ne_v(variant, K, V):
+    x, cu, cts = channel_case(9, variant, 2, 2048, 4, 8, K, V, None)
     check_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16)
 
 
