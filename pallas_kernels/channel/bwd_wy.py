@@ -278,18 +278,19 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
         def beta_tile():
             return cp.bcast_rows(cp.row_vec(be_s), (C, H2))
 
+        def half_copies(cols, *loads):
+            """TMA copies of the [C, 64] tiles ``cols`` of this chunk: ``loads`` are (GMEM ref,
+            head, SMEM tile); refs the variant lacks (None: KDA's b, w_gate) are skipped."""
+            return [(g.at[b, rows, h, cols], s_) for g, h, s_ in loads if g is not None]
+
         def v_pass(cols, is_own: bool, dA):
             """dA + du[:, cols] (w_gate ⊙ v)[:, cols]ᵀ; own half: also dv, dw_gate (dβ part)."""
 
             def scoped(duh_s, dul_s, v_s, wg_s):
-                srcs = [
-                    (duh_g.at[b, rows, hv, cols], duh_s),
-                    (dul_g.at[b, rows, hv, cols], dul_s),
-                    (v_g.at[b, rows, hv, cols], v_s),
-                ]
-                if not scalar:
-                    srcs.append((wg_g.at[b, rows, hv, cols], wg_s))
-                bars.load(srcs)
+                bars.load(
+                    half_copies(cols, (duh_g, hv, duh_s), (dul_g, hv, dul_s), (v_g, hv, v_s),
+                                (wg_g, hv, wg_s))
+                )  # fmt: skip
                 vt = cp.load_tile(v_s).astype(f32)
                 wgt = beta_tile() if scalar else cp.load_tile(wg_s)
                 x_s[...] = (wgt * vt).astype(dt)
@@ -324,13 +325,9 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
             """dA + dw[:, cols] (bk ⊙ e^G)[:, cols]ᵀ; own half: then dL, dk, dG, db (dβ)."""
 
             def scoped(k_s, g_s, b_s, dw_s, gr_s, gl_s, st_s):
-                srcs = [
-                    (k_g.at[b, rows, hk, cols], k_s),
-                    (g_g.at[b, rows, hv, cols], g_s),
-                    (dw_g.at[b, rows, hv, cols], dw_s),
-                ]
-                if not scalar:
-                    srcs.append((b_g.at[b, rows, hv, cols], b_s))
+                srcs = half_copies(
+                    cols, (k_g, hk, k_s), (g_g, hv, g_s), (dw_g, hv, dw_s), (b_g, hv, b_s)
+                )
                 if is_own:
                     srcs += [
                         (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), cols], gr_s),
