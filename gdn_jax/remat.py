@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.layout import Layout, with_layout_constraint
 
 __all__ = [
     "GDN_GATE_CUMSUM",
@@ -73,9 +74,27 @@ Action = Literal["save", "offload", "remat"]
 ACTIONS: tuple[Action, ...] = ("save", "offload", "remat")
 
 
+def _pin(a: jax.Array) -> jax.Array:
+    # Why (measured on the H200, docs/fp8_remat.md): without a pin XLA may keep a named tensor
+    # in another form when it stays on the device (a transposed copy, operands merged into other
+    # GEMMs) than when it must go to host memory as itself, so "save" and "offload" compiled to
+    # different fusions and differed at rounding level (0.19 % in the first gradients). The
+    # barrier makes the named value itself materialise, the layout constraint fixes it row-major,
+    # so every policy sees the same forward and backward programs (bitwise on the H200 for
+    # bf16, native and TE FP8). Cost: no fusion across the named points (step times in
+    # benchmarks/RESULTS.md, session 7).
+    a = jax.lax.optimization_barrier(a)
+    return with_layout_constraint(a, Layout(tuple(range(a.ndim))))
+
+
 def name(x: Any, label: str) -> Any:
-    """``checkpoint_name`` over a pytree (e.g. the (q, k, v) tuple)."""
-    return jax.tree.map(lambda a: checkpoint_name(a, label), x)
+    """``checkpoint_name`` over a pytree (e.g. the (q, k, v) tuple), each array pinned first.
+
+    The one way the library names a tensor for remat/offload policies: the pin (an optimisation
+    barrier and a row-major layout) makes the named value the same buffer whatever a policy
+    does with it, which keeps saved and offloaded training bitwise equal on the GPU.
+    """
+    return jax.tree.map(lambda a: checkpoint_name(_pin(a), label), x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
 from gdn_jax.ops import _xla
@@ -135,9 +134,9 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0):
 
 def _core_fwd(cfg, q, k, v, G, b, w, h0):
     o, ht, products = _forward(cfg, True, q, k, v, G, b, w, h0)
-    G = checkpoint_name(G, remat.GDN_GATE_CUMSUM)
+    G = remat.name(G, remat.GDN_GATE_CUMSUM)
     *products, A = products
-    products = (*remat.name(tuple(products), remat.GDN_INTRA), checkpoint_name(A, remat.GDN_A))
+    products = (*remat.name(tuple(products), remat.GDN_INTRA), remat.name(A, remat.GDN_A))
     return (o, ht), (q, k, v, G, b, w, h0, *products)
 
 

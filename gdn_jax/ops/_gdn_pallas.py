@@ -24,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
 from gdn_jax.qat import QATConfig
@@ -130,7 +129,7 @@ def _forward(cfg, q, k, v, G, beta, h0, meta):
 
 def _core_fwd(cfg, q, k, v, G, beta, h0, meta):
     o, ht = _forward(cfg, q, k, v, G, beta, h0, meta)
-    G = checkpoint_name(G, remat.GDN_GATE_CUMSUM)
+    G = remat.name(G, remat.GDN_GATE_CUMSUM)
     return (o, ht), (q, k, v, G, beta, h0, meta)
 
 

@@ -19,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from gdn_jax import remat
 from gdn_jax.qat import QATConfig
@@ -83,9 +82,9 @@ def _fwd(cfg, q, k, v, g, b, w, h0, layout):
     o, final, (G, A, S_in) = ref.chunk_forward(
         q, k, v, g, b, w, h0, layout, scale=cfg.scale, dtype=cfg.dtype, qat=cfg.qat
     )
-    G = checkpoint_name(G, remat.GDN_GATE_CUMSUM)
-    A = checkpoint_name(A, remat.GDN_A)
-    S_in = checkpoint_name(S_in, remat.GDN_CHUNK_STATES)
+    G = remat.name(G, remat.GDN_GATE_CUMSUM)
+    A = remat.name(A, remat.GDN_A)
+    S_in = remat.name(S_in, remat.GDN_CHUNK_STATES)
     return (o, final), (q, k, v, g, b, w, h0, layout, G, A, S_in)
 
 
