@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -195,3 +196,38 @@ def test_channel_pallas_products_follow_the_policy():
         calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
         intra = sum(bool(re.search(r"\\00chan_intra\\00", ln)) for ln in calls)
         assert intra == (2 if action == "remat" else 1), (action, intra)
+
+
+def _pinned_names(jaxpr) -> dict[str, bool]:
+    """For each checkpoint name in ``jaxpr`` (sub-jaxprs included): whether every tensor it names
+    comes from ``layout_constraint(optimization_barrier(x))`` (remat.name's pin)."""
+    out: dict[str, bool] = {}
+
+    def visit(jx):
+        producer = {}
+        for eqn in jx.eqns:
+            for v in eqn.outvars:
+                producer[v] = eqn
+            if eqn.primitive.name == "name":
+                lc = producer.get(eqn.invars[0])
+                ok = lc is not None and lc.primitive.name == "layout_constraint"
+                bar = producer.get(lc.invars[0]) if ok else None
+                ok = ok and bar is not None and bar.primitive.name == "optimization_barrier"
+                out[eqn.params["name"]] = out.get(eqn.params["name"], True) and ok
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jaxpr)
+    return out
+
+
+def test_named_tensors_are_pinned():
+    """Every tensor the library names is pinned (an optimisation barrier, then a row-major layout)
+    before ``checkpoint_name``: what makes saving and offloading it compile to the same programs
+    on the GPU (bitwise equal training there; without the pin XLA keeps a saved tensor in another
+    form, e.g. a transposed copy, than the one it must copy to the host)."""
+    pol = remat.remat_policy(dict.fromkeys(remat.CORE_RESIDUALS, "save"))
+    jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(_core_loss, policy=pol)))(*_core_inputs())
+    pinned = _pinned_names(jaxpr.jaxpr)
+    assert set(pinned) == {remat.GDN_GATE_CUMSUM, remat.GDN_A, remat.GDN_CHUNK_STATES}, pinned
+    assert all(pinned.values()), pinned
