@@ -10,10 +10,17 @@ gate of a padded row is that of the last valid row. Per-token log-decays are cla
 :data:`MIN_LOG_DECAY` (-10) first, which bounds every factor of the kernels' sub-chunk decay
 factoring by e^{80} (finite in f32/bf16) and changes results by at most e^{-10} relative.
 
+f16 io (K == V): the kernels stage those decay-factored operands as bf16 hi/lo pairs (f32 range,
+~16-bit precision; f16 could hold neither their size nor their spread) and the f32 state and its
+gradient as f16 with one scale per row or column (as the GDN kernels do); the intra kernel runs
+its split form, the backward's dq/dk/dw kernel its K-split or phased form. Checked under the CPU
+interpreter and the CUDA lowering; :data:`F16_GPU_VALIDATED` keeps f16 off the GPU (on "xla")
+until the GPU tests have passed there.
+
 Core (:func:`_core`, a ``custom_vjp`` with a frozen :class:`ChannelConfig`) on padded lanes,
 ``N`` lanes of ``Tp`` rows (Tp % 64 == 0):
 
-    q, k : [N, Tp, H, K]   io dtype (bf16), l2-normalised already if asked
+    q, k : [N, Tp, H, K]   io dtype (bf16 or f16), l2-normalised already if asked
     v    : [N, Tp, HV, V]  io dtype
     G    : [N, Tp, HV, K]  f32, chunk-local inclusive cumsum of the per-channel log-decay
     b    : GDN2: [N, Tp, HV, K] f32 erase gate;  KDA (cfg.scalar_beta): β [N, Tp, HV] f32
@@ -105,7 +112,9 @@ def kernel_beta(b: jax.Array) -> jax.Array:
 # (as in gdn_jax.ops._gdn_pallas).
 
 
-def intra_config(cfg: ChannelConfig, K: int, V: int, *, store_a: bool) -> ChannelIntraConfig:
+def intra_config(
+    cfg: ChannelConfig, K: int, V: int, *, store_a: bool, f16: bool = False
+) -> ChannelIntraConfig:
     """The intra kernel's form for this core (K, V: the head sizes).
 
     Split over two CTAs (``ChannelIntraConfig.split``) at K = V = 128 for GDN2 always and for KDA
@@ -114,6 +123,8 @@ def intra_config(cfg: ChannelConfig, K: int, V: int, *, store_a: bool) -> Channe
     vs 1.40.
     """
     split = K == V == 128 and (store_a or not cfg.scalar_beta)
+    # f16: the decay-factored operands are bf16 hi/lo pairs, which only the split form has SMEM for
+    split = split or (f16 and K == V)
     return ChannelIntraConfig(scalar_beta=cfg.scalar_beta, store_a=store_a, split=split)
 
 
@@ -122,7 +133,8 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0):
     """(o, final state, products): products are the intra kernel's ``(qg, kg, wk, u, Aqk, A)``
     (the backward's inputs, A stored by the kernel) when ``with_products``, else None."""
     with cfg.kernels():
-        icfg = intra_config(cfg, q.shape[-1], v.shape[-1], store_a=with_products)
+        f16 = q.dtype == jnp.float16
+        icfg = intra_config(cfg, q.shape[-1], v.shape[-1], store_a=with_products, f16=f16)
         bk = kernel_beta(b) if cfg.scalar_beta else b
         products = channel_intra(q, k, v, G, bk, w, icfg)
         qg, kg, wk, u, aqk = products[:5]
@@ -196,16 +208,28 @@ _core.defvjp(_core_fwd, _backward)
 # public glue
 
 
+# The f16 kernels (bf16 hi/lo decay-factored operands, scaled f16 state staging) are checked by
+# the CPU interpreter and the CUDA lowering only; tests/pallas/test_channel_pallas.py's f16 GPU
+# tests set this for their run. True once they have passed on an H200.
+F16_GPU_VALIDATED = False
+
+
 def _unsupported(q, v, chunk_size) -> str | None:
-    if q.dtype != jnp.bfloat16:
-        # f16 would stage the f32 state as an f16 tensor-core operand (max 65504): DESIGN §3
-        # forbids it, so f16 (like f32) runs on "xla".
-        return f"{q.dtype=}: the Pallas kernels take bf16 (f16 and f32 run on 'xla')"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{q.dtype=}: the Pallas kernels take bf16 or f16 (f32 runs on 'xla')"
     if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
         return f"{q.shape=} {v.shape=}: the Pallas kernels need K, V in {{64, 128}}"
+    if q.dtype == jnp.float16 and q.shape[-1] != v.shape[-1]:
+        # f16 runs the split intra form (room for its bf16 hi/lo operands), which needs K == V
+        return f"{q.shape=} {v.shape=}: f16 needs K == V in the Pallas kernels"
+    mode = pk.execution_mode()
+    if q.dtype == jnp.float16 and mode != "interpret" and not F16_GPU_VALIDATED:
+        return (
+            "f16: the KDA/GDN2 f16 kernels pass the CPU interpreter and the CUDA lowering but have "
+            "not yet run on a GPU (f16 runs on 'xla' until they have)"
+        )
     if chunk_size != CHUNK:
         return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
-    mode = pk.execution_mode()
     if mode == "auto" and not pk.is_hopper():
         return "no Hopper GPU (and the Mosaic GPU interpreter was not requested)"
     return None
@@ -239,7 +263,7 @@ def channel_pallas(
     """GDN2 / KDA on the Mosaic GPU kernels; inputs already validated by the public op.
 
     Args:
-      q, k: [B, T, H, K] bf16; v: [B, T, HV, V] bf16.
+      q, k: [B, T, H, K] bf16 or f16; v: [B, T, HV, V] in q's dtype.
       g: [B, T, HV, K] f32 per-channel log-decay.
       b: [B, T, HV, K] f32 erase gate, or [B, T, HV, 1] (KDA's β, broadcast).
       w: [B, T, HV, V] f32 write gate, or [B, T, HV, 1] (KDA's β).

@@ -54,7 +54,8 @@ def channel_backward_pallas(
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
 
     Args:
-      q, k: [N, T, H, K] io dtype (bf16); v: [N, T, HV, V] io dtype; K, V in {64, 128}.
+      q, k: [N, T, H, K] io dtype (bf16, or f16 with K == V); v: [N, T, HV, V] io dtype;
+        K, V in {64, 128}.
       G: [N, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [N, T, HV, K] f32 erase gate; KDA: β [N, T, HV] f32 (then ``w`` is None).
       w: GDN2: [N, T, HV, V] f32 write gate; KDA: None.
@@ -82,7 +83,10 @@ def channel_backward_pallas(
     nt = T // CHUNK
     dt = q.dtype
     scalar = w is None
-    k_split = k_split and K == v.shape[-1] == 128
+    # at K = 64 the one-CTA bf16 kernels already have [C, 64] tiles; f16 dq/dk/dw then runs the
+    # split kernel's phased body on one CTA (two CTAs per SM) instead of a one-CTA form at 144 KB
+    wy_split = k_split and K == v.shape[-1] == 128
+    dqkw_split = wy_split or (k_split and dt == jnp.float16 and K == 64)
     do = do.astype(dt)
     dht = dht.astype(f32)
     gr, gl = reference_rows(G)
@@ -95,7 +99,7 @@ def channel_backward_pallas(
     )
     dh, dvh, dvl, dh0 = channel_bwd_dh(qg, kg, wk, do, aqk, egl, dht, LoopConfig(scale=scale))
     dq, dk_a, dwk, dG_a = channel_bwd_dqkw(
-        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced, k_split=k_split
+        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced, k_split=dqkw_split
     )
     outs = channel_bwd_wy(
         k,
@@ -109,7 +113,7 @@ def channel_backward_pallas(
         dwk,
         dvh,
         dvl,
-        ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=k_split),
+        ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=wy_split),
     )
     if scalar:
         dk_b, dv, dG_b, dbeta = outs

@@ -17,6 +17,18 @@ products of the backward are then sums of four plain tensor-core products:
 All register tiles are f32 in the WGMMA layout; only wgmma operands are 16-bit (staged in one
 scratch SMEM tile each). ``G`` comes from an f32 SMEM tile, the reference rows and G_last from
 small f32 SMEM tables (the same ones the forward's intra kernel reads).
+
+bf16 io: the factored operand (Y or X times a decay factor, [C, K]) is staged as bf16 hi + lo
+(two wgmma passes through one scratch tile) and D is a plain bf16 tile.
+
+f16 io (DESIGN §3): a factored operand reaches ``e^{8 d}`` and spans ``e^{15 d}``
+within a sub-chunk, beyond f16's range (65504) and dynamic range even with per-column scales, so
+it is staged as a **bf16** hi/lo pair (f32 range, ~16-bit precision). wgmma needs both operands
+of one instruction in one dtype, so D (computed in f32 by the kernels) is staged as a bf16 hi/lo
+pair too (``lo_s`` arguments, :meth:`Decay.stage_pair`), and each sub-chunk product accumulates
+``D_hi Y_hi + D_lo Y_hi`` (one :func:`~pallas_kernels._compat.matmul_sum`) and then ``D_hi Y_lo``
+in the same f32 sum (the ``D_lo Y_lo`` term, ~2^-18 relative, is dropped). The scratch tiles of
+the factored operand and of D are bf16 in f16 mode (:func:`operand_dtype`).
 """
 
 from __future__ import annotations
@@ -35,7 +47,23 @@ NSUB = CHUNK // SUB
 HALF = 64  # key / value columns per CTA or per pass of the split kernels (K = 128 in two)
 f32 = jnp.float32
 
-__all__ = ["Decay", "CHUNK", "SUB", "NSUB", "HALF", "decay_copies", "decay_smem", "slice_smem"]
+__all__ = [
+    "Decay",
+    "CHUNK",
+    "SUB",
+    "NSUB",
+    "HALF",
+    "decay_copies",
+    "decay_smem",
+    "slice_smem",
+    "operand_dtype",
+]
+
+
+def operand_dtype(dt):
+    """The SMEM dtype of the decayed products' operands (factored tile and D) for io dtype
+    ``dt``: ``dt`` itself for bf16, bf16 (hi/lo pairs, f32 range) for f16."""
+    return jnp.bfloat16 if dt == jnp.float16 else dt
 
 
 def slice_smem(shape, dtype, sliced: bool):
@@ -138,16 +166,36 @@ class Decay:
         pairwise product's gate gradient must cancel over the chunk (the product depends only on
         G differences), which a single 16-bit rounding of differently scaled operands breaks.
         """
-        hi = val.astype(self.dt)
-        s[...] = hi if part == 0 else (val - hi.astype(f32)).astype(self.dt)
+        dt = s.dtype  # the io dtype, or bf16 for a factored operand in f16 mode
+        hi = val.astype(dt)
+        s[...] = hi if part == 0 else (val - hi.astype(f32)).astype(dt)
         plgpu.commit_smem()
 
-    def rows(self, d_s, Y, ys_s, dt_s=None) -> jax.Array:
+    @staticmethod
+    def stage_pair(hi_s, lo_s, val) -> None:
+        """Writes f32 ``val`` as hi (``hi_s``) and, with ``lo_s`` (f16 mode), lo = val − hi, both
+        in the tiles' dtype; without ``lo_s`` it is the single rounding of bf16 io. The caller
+        commits (:func:`plgpu.commit_smem`)."""
+        hi = val.astype(hi_s.dtype)
+        hi_s[...] = hi
+        if lo_s is not None:
+            lo_s[...] = (val - hi.astype(f32)).astype(lo_s.dtype)
+
+    @staticmethod
+    def _mm(a, a_lo, b, part: int, shape) -> jax.Array:
+        """a @ b for staged part ``part`` of b; with a_lo (f16 mode) part 0 adds a_lo @ b in the
+        same accumulator (the hi·hi + lo·hi terms; part 1 is hi·lo)."""
+        if a_lo is None or part:
+            return cp.matmul(a, b, shape)
+        return cp.matmul_sum(((a, b), (a_lo, b)), shape)
+
+    def rows(self, d_s, Y, ys_s, dt_s=None, *, lo_s=None) -> jax.Array:
         """Z_i = Σ_j D_ij Y_j e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
 
         Y: [C, K] f32 registers. Returns [C, K] f32. With ``dt_s`` (Dᵀ in SMEM) each sub-chunk
         J of columns is one wgmma with a 16-deep contraction, ``D[:, J] (Y_J e^{r_J − G_J})``,
-        scaled by ``e^{G_i − r_J}`` afterwards (a quarter of the unsliced work).
+        scaled by ``e^{G_i − r_J}`` afterwards (a quarter of the unsliced work). ``lo_s`` (f16
+        mode): the bf16 lo part of D (of Dᵀ with ``dt_s``); ``ys_s`` and D are bf16 then.
         """
         C, K = self.shape
         Z = None
@@ -158,7 +206,8 @@ class Decay:
                 for j in range(NSUB):
                     sl = pl.ds(SUB * j, SUB)
                     keep = self.row >= SUB * j
-                    t = cp.matmul(dt_s.at[sl].T, ys_s.at[sl], (C, K))
+                    lo = None if lo_s is None else lo_s.at[sl].T
+                    t = self._mm(dt_s.at[sl].T, lo, ys_s.at[sl], part, (C, K))
                     e = jnp.exp(jnp.where(keep, self.G() - self.bref(j), 0.0))
                     t = jnp.where(keep, t * e, 0.0)
                     Z = t if Z is None else Z + t
@@ -167,15 +216,16 @@ class Decay:
             val = Y * self.e_to(i)
             for part in (0, 1):
                 self.stage(ys_s, val, part)
-                t = jnp.where(self.in_blk(i), cp.matmul(d_s, ys_s, (C, K)), 0.0)
+                t = jnp.where(self.in_blk(i), self._mm(d_s, lo_s, ys_s, part, (C, K)), 0.0)
                 Z = t if Z is None else Z + t
         return Z * self.e_own()
 
-    def cols(self, d_s, X, xs_s, *, sliced: bool = False) -> jax.Array:
+    def cols(self, d_s, X, xs_s, *, sliced: bool = False, lo_s=None) -> jax.Array:
         """Z_j = Σ_i D_ij X_i e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
 
         X: [C, K] f32 registers. Returns [C, K] f32. ``sliced``: each sub-chunk I of rows is one
-        wgmma with a 16-deep contraction ``D[I, :]ᵀ (X_I e^{G_I − r_I})``.
+        wgmma with a 16-deep contraction ``D[I, :]ᵀ (X_I e^{G_I − r_I})``. ``lo_s`` (f16 mode):
+        the bf16 lo part of D; ``xs_s`` and D are bf16 then.
         """
         C, K = self.shape
         Z = None
@@ -185,7 +235,8 @@ class Decay:
                 self.stage(xs_s, val, part)
                 for i in range(NSUB):
                     sl = pl.ds(SUB * i, SUB)
-                    t = self.e_to(i) * cp.matmul(d_s.at[sl].T, xs_s.at[sl], (C, K))
+                    lo = None if lo_s is None else lo_s.at[sl].T
+                    t = self.e_to(i) * self._mm(d_s.at[sl].T, lo, xs_s.at[sl], part, (C, K))
                     Z = t if Z is None else Z + t
             return Z
         for i in range(NSUB):
@@ -193,7 +244,7 @@ class Decay:
             val = jnp.where(self.in_blk(i), X * self.e_own(), 0.0)
             for part in (0, 1):
                 self.stage(xs_s, val, part)
-                m = cp.matmul(d_s.T, xs_s, (C, K))
+                m = self._mm(d_s.T, None if lo_s is None else lo_s.T, xs_s, part, (C, K))
                 t = m if t is None else t + m
             t = self.e_to(i) * t
             Z = t if Z is None else Z + t

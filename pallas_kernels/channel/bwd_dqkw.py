@@ -23,6 +23,26 @@ one cheap wgmma: each CTA forms it again). Halving the tiles removes the registe
 [64, 128] form, and the scratch is cut from 221 KiB to 100 KiB per CTA (108 KiB sliced; two
 scoped phases share the space, see :func:`_dqkw_ksplit_body`), so two CTAs fit on an SM (228 KiB)
 and hide each other's latency.
+
+f16 io (DESIGN §3): h and dh arrive in **f32** (the state kernels store them f32 for f16 io;
+an f16 h/dh is accepted too) and are staged as f16 with one scale per row of the state
+(scaled f16 staging, :func:`pallas_kernels.gdn.fake_quant.f16_stage_scales`); the products with h or
+dh (do hᵀ, dv2 hᵀ, v_new dhᵀ) have the state's rows as their columns and are multiplied back by
+the scales in f32 (:func:`_unstage`). The decayed products take D = dP and the factored operand
+as bf16 hi/lo pairs (bf16 hi/lo staging, :mod:`bwd_decay`): dP's tile and the operand scratch are
+bf16, with one more bf16 tile for dP's lo part. Forms serving f16:
+
+- K-split (K = V = 128): h and dh pass through a [64, V] f32 tile in scopes of their own, in the
+  space the phases share (dh's staging also emits dw); the sliced form runs its "rows" product
+  unsliced (no room for dPᵀ hi + lo). Mosaic's count: ≈ 111 720 B per CTA, sliced or not
+  (bf16: 102 488 / 110 680 B), within half an SM.
+- K = 64 with ``k_split``: the K-split form's phased body on one CTA per (chunk, value head)
+  (all 64 columns): ≈ 95 340 B (V = 64) / 111 720 B (V = 128), two CTAs per SM.
+- one CTA (K = 64, V ∈ {64, 128}, ``k_split=False``): an [K, V] f32 staging tile, dP lo and a
+  bf16 operand tile on top: ≈ 144 470 B (V = 64) / 201 810 B (V = 128), one CTA per SM (bf16:
+  110 680 B at V = 64). At K = 128 it would exceed an SM: NotImplementedError (use k_split).
+
+dq (without GVA) and dw still leave in the io dtype (f16), dq (GVA), dk and dG in f32.
 """
 
 from __future__ import annotations
@@ -45,8 +65,10 @@ from pallas_kernels.channel.bwd_decay import (
     Decay,
     decay_copies,
     decay_smem,
+    operand_dtype,
     slice_smem,
 )
+from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 f32 = jnp.float32
 
@@ -60,19 +82,28 @@ def _dqkw_body(
     c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = q_g.shape[-1], vn_g.shape[-1]
     dt = q_g.dtype
+    scaled = dt == jnp.float16  # f16 io: see channel_bwd_dqkw
 
-    def scoped(q_s, k_s, g_s, gr_s, gl_s, h_s, vn_s, do_s, dvh_s, dvl_s, dp_s, x_s, out_s, bar):
+    def scoped(q_s, k_s, g_s, gr_s, gl_s, h_s, vn_s, do_s, dvh_s, dvl_s, dp_s, x_s, out_s, bar,
+               *f16):  # fmt: skip
+        # f16: dP lo, the bf16 factored-operand scratch, the f32 state staging tile and the row
+        # scales of the staged h (row 0) and dh (row 1)
+        dpl_s, ys_s, st_s, sc_s = f16 if scaled else (None, x_s, None, None)
         srcs = (
             (q_g.at[b, rows, hk, :], q_s),
             (k_g.at[b, rows, hk, :], k_s),
             *decay_copies(g_g, gr_g, gl_g, (g_s, gr_s, gl_s), b=b, hv=hv, c=c, rows=rows),
-            (h_g.at[b, c, hv], h_s),
+            *(() if scaled else ((h_g.at[b, c, hv], h_s),)),
             (vn_g.at[b, rows, hv, :], vn_s),
             (do_g.at[b, rows, hv, :], do_s),
             (dvh_g.at[b, rows, hv, :], dvh_s),
             (dvl_g.at[b, rows, hv, :], dvl_s),
         )
         load_tiles(srcs, bar)
+        if scaled:  # h (f32) -> f16 h_s; then dh's load into the staging tile overlaps h's use
+            plgpu.copy_gmem_to_smem(h_g.at[b, c, hv], st_s, bar.at[len(srcs)])
+            _stage_state(st_s, bar.at[len(srcs)], h_s, sc_s.at[0])
+            plgpu.copy_gmem_to_smem(dh_g.at[b, c, hv], st_s, bar.at[len(srcs) + 1])
 
         dec = Decay(g_s, gr_s, gl_s, dt)
         row = cp.iota((C, C), 0)
@@ -83,29 +114,29 @@ def _dqkw_body(
                 m = jnp.where(row <= col, cp.matmul(vn_s, do_s.T, (C, C)), 0.0)
             else:
                 m = jnp.where(row >= col, cp.matmul(do_s, vn_s.T, (C, C)), 0.0)
-            dp_s[...] = (m * scale).astype(dt)
+            Decay.stage_pair(dp_s, dpl_s, m * scale)
             plgpu.commit_smem()
 
         put_dp(sliced)  # the sliced "rows" product reads dPᵀ
 
         # the h products: output part of dq, and dw = −dv2 hᵀ (dv2 = hi + lo)
-        dq = cp.matmul(do_s, h_s.T, (C, K)) * (jnp.exp(dec.G()) * scale)
+        dq = _unstage(cp.matmul(do_s, h_s.T, (C, K)), sc_s, 0) * (jnp.exp(dec.G()) * scale)
 
-        dw = -cp.matmul_sum(((dvh_s, h_s.T), (dvl_s, h_s.T)), (C, K))
+        dw = -_unstage(cp.matmul_sum(((dvh_s, h_s.T), (dvl_s, h_s.T)), (C, K)), sc_s, 0)
         x_s[...] = dw.astype(dt)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(x_s, dw_g.at[b, rows, hv, :])
-        # h is done: bring dh into the same tile
-        plgpu.copy_gmem_to_smem(dh_g.at[b, c, hv], h_s, bar.at[len(srcs)])
+        if not scaled:  # h is done: bring dh into the same tile
+            plgpu.copy_gmem_to_smem(dh_g.at[b, c, hv], h_s, bar.at[len(srcs)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # x_s is reused below
 
         q = cp.load_tile(q_s).astype(f32)
         k = cp.load_tile(k_s).astype(f32)
         if sliced:
-            dq = dq + dec.rows(None, k, x_s, dt_s=dp_s)
+            dq = dq + dec.rows(None, k, ys_s, dt_s=dp_s, lo_s=dpl_s)
             put_dp(False)
         else:
-            dq = dq + dec.rows(dp_s, k, x_s)
+            dq = dq + dec.rows(dp_s, k, ys_s, lo_s=dpl_s)
         r1 = dq * q
         if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s)
             x_s[...] = dq.astype(dt)
@@ -114,9 +145,12 @@ def _dqkw_body(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         else:
             emit_tile(dq, out_s, dq_g.at[b, rows, hv, :])
-        dk = dec.cols(dp_s, q, x_s, sliced=sliced)
-        plgpu.barrier_wait(bar.at[len(srcs)])
-        dks = cp.matmul(vn_s, h_s.T, (C, K)) * dec.e_last()  # the state part of dk
+        dk = dec.cols(dp_s, q, ys_s, sliced=sliced, lo_s=dpl_s)
+        if scaled:  # h's products are done (wgmma waited): dh takes its tile
+            _stage_state(st_s, bar.at[len(srcs) + 1], h_s, sc_s.at[1])
+        else:
+            plgpu.barrier_wait(bar.at[len(srcs)])
+        dks = _unstage(cp.matmul(vn_s, h_s.T, (C, K)), sc_s, 1) * dec.e_last()  # state part of dk
         last = jnp.sum(dks * k, axis=0)
         dk = dk + dks
         emit_tile(dk, out_s, dk_g.at[b, rows, hv, :])
@@ -125,6 +159,15 @@ def _dqkw_body(
         emit_tile(dG, out_s, dg_g.at[b, rows, hv, :])
         plgpu.wait_smem_to_gmem(0)
 
+    odt = operand_dtype(dt)  # bf16 (hi/lo pairs) for f16 io
+    f16 = ()
+    if scaled:
+        f16 = (
+            slice_smem((C, C), odt, sliced),  # dP lo
+            slice_smem((C, K), odt, sliced),  # factored-operand scratch
+            cp.smem((K, V), h_g.dtype),  # h, then dh, as stored (f32)
+            cp.smem((2, K), f32, swizzled=False),  # row scales of the staged h, dh
+        )
     pl.run_scoped(
         scoped,
         cp.smem((C, K), dt),  # q
@@ -135,17 +178,40 @@ def _dqkw_body(
         cp.smem((C, V), dt),  # do
         cp.smem((C, V), dt),  # dv2 hi
         cp.smem((C, V), dt),  # dv2 lo
-        slice_smem((C, C), dt, sliced),  # dP
+        slice_smem((C, C), odt, sliced),  # dP (hi)
         slice_smem((C, K), dt, sliced),  # operand scratch (and the dw staging)
         cp.smem((C, K), f32),  # f32 output staging
         plgpu.Barrier(num_barriers=11),
+        *f16,
     )
+
+
+def _stage_state(st_s, bar, h_s, sc_s) -> None:
+    """f16 io: waits for the state tile ``st_s`` ([R, V], f32 as stored) on ``bar`` and stages
+    it into the f16 tile ``h_s`` with one scale per row (DESIGN §3: a state is never cast to f16
+    unscaled); the scales go to the f32 SMEM vector ``sc_s`` [R]. Ends with a commit, so every
+    thread has read ``st_s`` (it may take the next load) and ``h_s`` is visible to wgmma."""
+    plgpu.barrier_wait(bar)
+    x = cp.load_tile(st_s).astype(f32)
+    inv, sc = f16_stage_scales(x, axis=1)
+    h_s[...] = (x * cp.bcast_rows(inv, x.shape)).astype(h_s.dtype)
+    sc_s[...] = sc
+    plgpu.commit_smem()
+
+
+def _unstage(x, sc_s, t: int):
+    """A product whose columns are rows of a staged state (h: t = 0, dh: t = 1) multiplied back
+    by their scales; the identity without scales (bf16 io)."""
+    if sc_s is None:
+        return x
+    n = x.shape[1]
+    return x * cp.bcast_cols(cp.col_vec(sc_s.at[t, pl.ds(0, n)], n), x.shape)
 
 
 def _dqkw_ksplit_body(
     q_g, k_g, g_g, gr_g, gl_g, h_g, dh_g, vn_g, do_g, dvh_g, dvl_g,  # inputs
     dq_g, dk_g, dw_g, dg_g,  # outputs
-    *, scale: float, group: int, sliced: bool,
+    *, scale: float, group: int, sliced: bool, pair: bool = True,
 ):  # fmt: skip
     """One 64-column half kh of K for one (chunk, value head): grid ("c", "h", "b") with
     h = 2 hv + kh (the two halves of a head are neighbouring CTAs: they share v_new/do/dv2 in L2).
@@ -166,39 +232,76 @@ def _dqkw_ksplit_body(
     Mosaic's count when lowering (bf16, with its alignment): 102488 B (110680 B sliced), against
     226392 B for :func:`_dqkw_body`; tests/pallas/test_channel_ksplit_dqkw.py checks that it stays
     within half an SM.
+
+    f16 io: the operand scratch and dP are bf16 (no dPᵀ: the "rows" product runs unsliced), plus
+    dP lo 8 KiB and the state row scales [2, 64] f32 (always: 56.5 KiB); h is staged before
+    phase 1 and dh between phases 1 and 2, each through a [64, V] f32 tile (32 KiB, + dw's 8 KiB
+    f16 staging for dh) in its own scope; dq (no GVA) leaves through the free q tile. Peak:
+    always + phase 2 = 105.75 KiB; Mosaic's count ≈ 111 720 B.
     """
     C, KH = CHUNK, HALF
-    c, hv, kh, b, hk, rows = pair_chunk_coords(group, C)
+    if pair:
+        c, hv, kh, b, hk, rows = pair_chunk_coords(group, C)
+    else:  # f16 at K = 64: one CTA per (chunk, value head) runs the phases on all of K
+        (c, hv, b, hk, rows), kh = chunk_coords(group, C), 0
     kc = pl.ds(kh * KH, KH)
     V = vn_g.shape[-1]
     dt = q_g.dtype
+    scaled = dt == jnp.float16  # f16 io: see channel_bwd_dqkw
     row = cp.iota((C, C), 0)
     col = cp.iota((C, C), 1)
 
-    def scoped(h_s, vn_s, dp_s, dpt_s, x_s, bar1, bar2):
-        def phase1(do_s, dvh_s, dvl_s):
-            """dP (and dPᵀ) to SMEM, dw out; returns the h part of dq without its e^{G}."""
-            srcs = (
-                (do_g.at[b, rows, hv, :], do_s),
-                (vn_g.at[b, rows, hv, :], vn_s),
-                (h_g.at[b, c, hv, kc, :], h_s),
-                (dvh_g.at[b, rows, hv, :], dvh_s),
-                (dvl_g.at[b, rows, hv, :], dvl_s),
+    def scoped(h_s, vn_s, dp_s, dpt_s, x_s, bar1, bar2, *f16):
+        # f16: x_s is the bf16 factored-operand scratch; dP lo, the row scales of the staged h
+        # (row 0) and dh (row 1), the state loads' barriers
+        dpl_s, sc_s, bar0 = f16 if scaled else (None, None, None)
+
+        def stage_state(src_g, t, dw=None):
+            """f16: rows kc of the f32 state ``src_g`` -> h_s (f16, per-row scales in sc_s[t]),
+            through a [64, V] f32 tile in its own scope (in the space phases 1 and 2 use); with
+            ``dw`` it also emits dw, through an f16 tile of the same scope."""
+
+            def body(st_s, dw_s):
+                plgpu.copy_gmem_to_smem(src_g.at[b, c, hv, kc, :], st_s, bar0.at[t])
+                if dw is not None:
+                    emit_tile(dw.astype(dt), dw_s, dw_g.at[b, rows, hv, kc])
+                _stage_state(st_s, bar0.at[t], h_s, sc_s.at[t])
+
+            pl.run_scoped(
+                body,
+                cp.smem((KH, V), h_g.dtype),  # the state rows, as stored (f32)
+                cp.smem((C, KH) if dw is not None else (8,), dt),  # dw staging
             )
-            load_tiles(srcs, bar1, late=(3, 4))  # dv2 lands while dP and do hᵀ run
+
+        if scaled:
+            stage_state(h_g, 0)
+
+        def phase1(do_s, dvh_s, dvl_s):
+            """dP (and dPᵀ) to SMEM, dw out; returns the h part of dq without its e^{G} (f16:
+            and dw, emitted with dh's staging)."""
+            srcs = [(do_g.at[b, rows, hv, :], do_s), (vn_g.at[b, rows, hv, :], vn_s)]
+            if not scaled:  # f16: already staged
+                srcs.append((h_g.at[b, c, hv, kc, :], h_s))
+            srcs += [(dvh_g.at[b, rows, hv, :], dvh_s), (dvl_g.at[b, rows, hv, :], dvl_s)]
+            late = (len(srcs) - 2, len(srcs) - 1)
+            load_tiles(srcs, bar1, late=late)  # dv2 lands while dP and do hᵀ run
             # dP = scale (do v_newᵀ) ⊙ [j ≤ i]. do is gone after this phase, so the sliced form
             # (rows read dPᵀ, cols dP) forms both now instead of rewriting one tile later.
+            # f16: dP as bf16 hi + lo; the rows product runs unsliced (no room for dPᵀ hi + lo).
             m = jnp.where(row >= col, cp.matmul(do_s, vn_s.T, (C, C)), 0.0)
-            dp_s[...] = (m * scale).astype(dt)
-            if sliced:
+            Decay.stage_pair(dp_s, dpl_s, m * scale)
+            if sliced and not scaled:
                 m = jnp.where(row <= col, cp.matmul(vn_s, do_s.T, (C, C)), 0.0)
                 dpt_s[...] = (m * scale).astype(dt)
             plgpu.commit_smem()
-            dqh = cp.matmul(do_s, h_s.T, (C, KH)) * scale
-            plgpu.barrier_wait(bar1.at[3])
-            plgpu.barrier_wait(bar1.at[4])
+            dqh = _unstage(cp.matmul(do_s, h_s.T, (C, KH)), sc_s, 0) * scale
+            plgpu.barrier_wait(bar1.at[late[0]])
+            plgpu.barrier_wait(bar1.at[late[1]])
 
-            dw = -cp.matmul_sum(((dvh_s, h_s.T), (dvl_s, h_s.T)), (C, KH))  # dv2 = hi + lo
+            dw = -_unstage(cp.matmul_sum(((dvh_s, h_s.T), (dvl_s, h_s.T)), (C, KH)), sc_s, 0)
+            if scaled:  # the barrier lets dh's load overwrite the phase's tiles (see below)
+                plgpu.commit_smem()
+                return dqh, dw
             # commit_smem is also a warpgroup barrier: past it no warp still reads h_s or the
             # phase's tiles, so dh and phase 2's loads may overwrite them
             x_s[...] = dw.astype(dt)
@@ -212,6 +315,9 @@ def _dqkw_ksplit_body(
             cp.smem((C, V), dt),  # dv2 hi
             cp.smem((C, V), dt),  # dv2 lo
         )
+        if scaled:  # h's products are done (wgmma waited): dh takes h's tile
+            dqh, dw = dqh
+            stage_state(dh_g, 1, dw)
 
         def phase2(q_s, k_s, g_s, gr_s, gl_s, out_s):
             srcs = (
@@ -220,26 +326,30 @@ def _dqkw_ksplit_body(
                 ),
                 (k_g.at[b, rows, hk, kc], k_s),
                 (q_g.at[b, rows, hk, kc], q_s),
-                (dh_g.at[b, c, hv, kc, :], h_s),  # h is done: dh takes its tile
+                # h is done: dh takes its tile (f16: staged already)
+                *(() if scaled else ((dh_g.at[b, c, hv, kc, :], h_s),)),
             )
-            load_tiles(srcs, bar2, late=(5,))
+            load_tiles(srcs, bar2, late=() if scaled else (5,))
             dec = Decay(g_s, gr_s, gl_s, dt)
             dq = dqh * jnp.exp(dec.G())
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # x_s (dw) is reused below
             q = cp.load_tile(q_s).astype(f32)
             k = cp.load_tile(k_s).astype(f32)
-            if sliced:
+            if sliced and not scaled:
                 dq = dq + dec.rows(None, k, x_s, dt_s=dpt_s)
             else:
-                dq = dq + dec.rows(dp_s, k, x_s)
+                dq = dq + dec.rows(dp_s, k, x_s, lo_s=dpl_s)
             r1 = dq * q
-            if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s)
-                emit_tile(dq.astype(dt), x_s, dq_g.at[b, rows, hv, kc])
+            if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s;
+                # f16: x_s is bf16, q_s is free: q is in registers and the rows product's commits
+                # passed every thread's load)
+                emit_tile(dq.astype(dt), q_s if scaled else x_s, dq_g.at[b, rows, hv, kc])
             else:
                 emit_tile(dq, out_s, dq_g.at[b, rows, hv, kc])
-            dk = dec.cols(dp_s, q, x_s, sliced=sliced)
-            plgpu.barrier_wait(bar2.at[5])
-            dks = cp.matmul(vn_s, h_s.T, (C, KH)) * dec.e_last()  # the state part of dk
+            dk = dec.cols(dp_s, q, x_s, sliced=sliced, lo_s=dpl_s)
+            if not scaled:
+                plgpu.barrier_wait(bar2.at[5])
+            dks = _unstage(cp.matmul(vn_s, h_s.T, (C, KH)), sc_s, 1) * dec.e_last()  # state dk
             last = jnp.sum(dks * k, axis=0)
             dk = dk + dks
             emit_tile(dk, out_s, dk_g.at[b, rows, hv, kc])
@@ -256,15 +366,24 @@ def _dqkw_ksplit_body(
             cp.smem((C, KH), f32),  # f32 output staging
         )
 
+    odt = operand_dtype(dt)  # bf16 (hi/lo pairs) for f16 io
+    f16 = ()
+    if scaled:
+        f16 = (
+            slice_smem((C, C), odt, sliced),  # dP lo
+            cp.smem((2, KH), f32, swizzled=False),  # row scales of the staged h, dh
+            plgpu.Barrier(num_barriers=2),  # h, dh loads
+        )
     pl.run_scoped(
         scoped,
         cp.smem((KH, V), dt),  # h, then dh (rows kh of the state)
         cp.smem((C, V), dt),  # v_new
-        slice_smem((C, C), dt, sliced),  # dP
-        slice_smem((C, C), dt, sliced) if sliced else None,  # dPᵀ (sliced rows product)
-        slice_smem((C, KH), dt, sliced),  # operand scratch (and the dw / bf16 dq staging)
+        slice_smem((C, C), odt, sliced),  # dP (hi)
+        slice_smem((C, C), dt, sliced) if sliced and not scaled else None,  # dPᵀ (sliced rows)
+        slice_smem((C, KH), odt, sliced),  # operand scratch (and the dw / bf16 dq staging)
         plgpu.Barrier(num_barriers=5),  # phase 1 loads
         plgpu.Barrier(num_barriers=6),  # phase 2 loads
+        *f16,
     )
 
 
@@ -292,13 +411,17 @@ def channel_bwd_dqkw(
       g_cum: [B, T, HV, K] f32 chunk-local cumulative log-decay.
       gr, gl: [B, HV, T/16, K], [B, HV, T/64, K] f32 reference rows and G_last
         (:func:`pallas_kernels.channel.intra.reference_rows`).
-      h, dh: [B, T/64, HV, K, V] io dtype (state entering / state gradient leaving each chunk).
+      h, dh: [B, T/64, HV, K, V] io dtype, f32 for f16 io (state entering / state gradient
+        leaving each chunk).
       v_new, do, dv2_hi, dv2_lo: [B, T, HV, V] io dtype.
       scale: output scale.
       sliced: form the decayed products with 16-deep contractions over sub-chunk slices.
       k_split: two CTAs per (chunk, value head), each computing one 64-column half of K
-        (K = 128; same outputs, half the registers and SMEM per CTA). At K = 64 it is ignored:
-        the one-CTA form already works on [64, 64] tiles. Other K raise NotImplementedError.
+        (K = 128; same outputs, half the registers and SMEM per CTA). At K = 64 it is ignored
+        for bf16 (the one-CTA form already works on [64, 64] tiles); for f16 it selects the
+        phased body of the split form on one CTA (all 64 columns), whose scopes fit two CTAs
+        per SM where the one-CTA form's f16 tiles do not. Other K raise NotImplementedError.
+        f16 at K = 128 needs it (NotImplementedError otherwise).
     Returns:
       dq [B, T, HV, K] (per value head; io dtype without GVA, else f32 to be summed),
       dk [B, T, HV, K] f32 (per value head), dw [B, T, HV, K] io dtype,
@@ -325,10 +448,20 @@ def channel_bwd_dqkw(
         raise NotImplementedError(
             f"{q.shape=} {v_new.shape=}: channel_bwd_dqkw(k_split=True) needs K == V at K = 128"
         )
-    if pair:
+    if q.dtype == jnp.float16 and not k_split and K != HALF:
+        # the one-CTA form holds [K, V] h/dh, their f32 staging tile and the bf16 hi/lo operand
+        # tiles: over an SM's shared memory at K = 128 (bf16 already needs 221 KiB there)
+        raise NotImplementedError(
+            f"{q.shape=}: f16 channel_bwd_dqkw at K = {K} needs k_split=True (the one-CTA form "
+            "exceeds the shared memory with the f16 staging tiles)"
+        )
+    # f16 at K = 64 with k_split: the phased body on one CTA (its scopes fit two CTAs per SM,
+    # the one-CTA body's f16 tiles do not)
+    phased = pair or (k_split and q.dtype == jnp.float16)
+    if phased:
 
         def body(*refs):
-            _dqkw_ksplit_body(*refs, scale=scale, group=HV // H, sliced=sliced)
+            _dqkw_ksplit_body(*refs, scale=scale, group=HV // H, sliced=sliced, pair=pair)
 
     else:
 

@@ -16,6 +16,19 @@ du = dv2 (from :mod:`bwd_dh`, as two 16-bit terms hi + lo):
 
 with D_ij = e^{G_id − G_jd}. GDN2 writes db [C, K] and dw_gate [C, V] per element; KDA writes
 dβ = Σ_d db + Σ_v dw_gate per row.
+
+f16 io (DESIGN §3): the decayed "rows"/"cols" products take dL and the factored
+operand as bf16 hi/lo pairs (:mod:`bwd_decay`), in three bf16 tiles of their own (dL hi, dL lo,
+the operand scratch); every other product keeps f16 operands (bk ⊙ e^G and w_gate ⊙ v are
+bounded by |bk|, |v| as G ≤ 0); the f32 gradients dA and dA Aᵀ go through their f16 tile as
+hi + lo with the f16 A, as for bf16, but scaled per row / column into f16's range
+(:func:`_neg_inverse_product`, scaled f16 staging). Forms serving f16, Mosaic's SMEM count per CTA
+(KDA / GDN2):
+
+- K-split (K = V = 128): the dL tiles take turns with dA's f16 staging tile in the own K-half
+  pass: ≈ 97 410 / 110 740 B (bf16: 81 024 / 94 360 B), within half an SM;
+- unsplit at K = 64: ≈ 129 100 / 143 450 B at V = 64, 170 060 / 217 180 B at V = 128 (one CTA
+  per SM); at K = 128 it would exceed an SM: NotImplementedError (use k_split).
 """
 
 from __future__ import annotations
@@ -42,8 +55,10 @@ from pallas_kernels.channel.bwd_decay import (
     Decay,
     decay_copies,
     decay_smem,
+    operand_dtype,
     slice_smem,
 )
+from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 f32 = jnp.float32
 
@@ -73,18 +88,32 @@ class ChannelBwdWyConfig:
 def _neg_inverse_product(dec, m_s, a_s, dA) -> jax.Array:
     """dL = −Aᵀ (dA Aᵀ) [C, C] f32 (the caller keeps its strict lower triangle). dA and dA Aᵀ go
     through the tensor cores as hi + lo (≈ f32) via the 16-bit SMEM tile ``m_s``, so dL is
-    rounded to 16 bits once, by the caller (the rounding its two uses share)."""
+    rounded to 16 bits once, by the caller (the rounding its two uses share).
+
+    f16 io (``m_s`` f16): dA and dA Aᵀ are f32 gradients, so they are staged with one scale per
+    row of dA and per column of dA Aᵀ (the rows / columns its product keeps; DESIGN §3), and the
+    products are multiplied back in f32."""
     C = dA.shape[0]
+    scaled = m_s.dtype == jnp.float16
+    if scaled:
+        inv, sc = f16_stage_scales(dA, axis=1)
+        dA = dA * cp.bcast_rows(inv, (C, C))
     t1 = None
     for part in (0, 1):
         dec.stage(m_s, dA, part)
         t = cp.matmul(m_s, a_s.T, (C, C))
         t1 = t if t1 is None else t1 + t
+    if scaled:  # (dA Aᵀ)_jl: dA's row scales, then one scale per column l for −Aᵀ (dA Aᵀ)
+        t1 = t1 * cp.bcast_rows(sc, (C, C))
+        inv, sc = f16_stage_scales(t1, axis=0)
+        t1 = t1 * cp.bcast_cols(inv, (C, C))
     dL = None
     for part in (0, 1):
         dec.stage(m_s, t1, part)
         t = cp.matmul(a_s.T, m_s, (C, C))
         dL = -t if dL is None else dL - t
+    if scaled:
+        dL = dL * cp.bcast_cols(sc, (C, C))
     return dL
 
 
@@ -106,9 +135,13 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
     c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = k_g.shape[-1], v_g.shape[-1]
     dt = k_g.dtype
+    scaled = dt == jnp.float16  # f16 io: the decayed products in bf16 hi/lo (bwd_decay)
 
     def scoped(k_s, v_s, g_s, gr_s, gl_s, gate_s, a_s, dw_s, duh_s, dul_s, x_s, m_s, st_s,
                vec_s, bar, *extra):  # fmt: skip
+        # f16 (the last three): dL hi, dL lo, the factored-operand scratch, all bf16
+        dl_s, dll_s, ys_s = extra[-3:] if scaled else (m_s, None, x_s)
+        extra = extra[:-3] if scaled else extra
         # [C, V] operand scratch: the [C, K] one when V == K, else its own tile (``extra``)
         xv_s = x_s if V == K else extra[0]
         if scalar:
@@ -169,15 +202,15 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         dL = _neg_inverse_product(dec, m_s, a_s, dA)  # strict lower part kept below
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
-        m_s[...] = jnp.where(row > col, dL, 0.0).astype(dt)
+        Decay.stage_pair(dl_s, dll_s, jnp.where(row > col, dL, 0.0))  # f16: bf16 hi + lo
         plgpu.commit_smem()
 
         dkbg = cp.matmul(a_s.T, dw_s, (C, K))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the dv store has read x_s
-        dbk_l = dec.rows(m_s, k, x_s)
+        dbk_l = dec.rows(dl_s, k, ys_s, lo_s=dll_s)
         dbk = dkbg * eG + dbk_l
         dG = (dkbg * eG + dbk_l) * bk  # = dkbg ⊙ bk e^G + dbk_L ⊙ bk
-        dkl = dec.cols(m_s, bk, x_s, sliced=sliced)
+        dkl = dec.cols(dl_s, bk, ys_s, sliced=sliced, lo_s=dll_s)
         dG = dG - dkl * k
         emit_tile(dG, out_s, dg_g.at[b, rows, hv, :])
         dbk_k = dbk * k
@@ -205,6 +238,9 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         extra.append(slice_smem((C, V), dt, sliced))
         if not scalar:
             extra.append(cp.smem((C, K), f32))
+    if dt == jnp.float16:  # dL hi, dL lo, the factored-operand scratch (bf16)
+        odt = operand_dtype(dt)
+        extra += [slice_smem((C, C), odt, sliced)] * 2 + [slice_smem((C, K), odt, sliced)]
     pl.run_scoped(
         scoped,
         cp.smem((C, K), dt),  # k
@@ -259,6 +295,10 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
     padding comes on top. Measured on the H200 (B=4, T=4096, HV=16): 2.0–2.4 ms (KDA) and
     2.9–3.1 ms (GDN2) against 4.3–4.9 ms unsplit; ptxas still reports 255 registers with
     100–290 bytes of spills (unsplit: 3–4.4 KB).
+
+    f16 io: the dA/dL tile leaves the persistent scope; in pass 4 dA's f16 staging tile (8 KiB)
+    and then dL hi, dL lo and the bf16 operand scratch (24 KiB) take turns in scopes of their own
+    (peak 107 KiB GDN2; Mosaic's count ≈ 110 740 B GDN2, 97 410 B KDA).
     """
     (k_g, v_g, g_g, gr_g, gl_g, be_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g,
      dk_g, dv_g, dg_g, dbe_g, db_g, dwg_g) = _wy_refs(refs, scalar)  # fmt: skip
@@ -267,6 +307,8 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
     own = pl.ds(kh * H2, H2)  # this CTA's K-half (and V-half) of the columns
     other = pl.ds((1 - kh) * H2, H2)
     dt = k_g.dtype
+    scaled = dt == jnp.float16  # f16 io: the decayed products in bf16 hi/lo (bwd_decay)
+    odt = operand_dtype(dt)
 
     def outer(a_s, x_s, m_s, vec_s, be_s, bar):
         bars = Bars(bar)
@@ -344,42 +386,63 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
                 if not is_own:
                     return dA_out
 
+                def tail(dl_s, dll_s, ys_s, dL):
+                    """dk, dG, db (dβ) of the own half from dL ([C, C] f32 registers), staged
+                    to ``dl_s`` (+ ``dll_s``: f16's bf16 lo); ``ys_s``: the factored-operand
+                    scratch [C, 64]."""
+                    # built here: no live masks before
+                    lower = cp.iota((C, C), 0) > cp.iota((C, C), 1)
+                    Decay.stage_pair(dl_s, dll_s, jnp.where(lower, dL, 0.0))
+                    plgpu.commit_smem()
+
+                    # The tail keeps few [C, 64] tiles live (no spills): dkL is formed first and
+                    # parked in the f32 staging tile while dbk is formed; k, the gate and e^G are
+                    # reloaded from SMEM where needed instead of being held across the products.
+                    def gate_tile():
+                        return beta_tile() if scalar else cp.load_tile(b_s)
+
+                    def k_tile():
+                        return cp.load_tile(k_s).astype(f32)
+
+                    dkl = dec.cols(dl_s, gate_tile() * k_tile(), ys_s, sliced=sliced, lo_s=dll_s)
+                    st_s[...] = dkl  # read back below by the same threads, in the same layout
+                    plgpu.commit_smem()
+                    dbk = dec.rows(dl_s, k_tile(), ys_s, lo_s=dll_s)
+                    dbk = dbk + cp.matmul(a_s.T, dw_s, (C, H2)) * jnp.exp(cp.load_tile(g_s))
+                    dkl = cp.load_tile(st_s)
+                    k = k_tile()
+                    gate = gate_tile()
+                    emit_tile(dbk * (gate * k) - dkl * k, st_s, dg_g.at[b, rows, hv, cols])
+                    dbk_k = dbk * k
+                    if scalar:
+                        dbe_out = dbe + jnp.sum(dbk_k, axis=1)
+                        vec_s[...] = dbe_out
+                        plgpu.commit_smem()
+                        # partial dβ of this half: row 2 hv + kh, summed over kh by the wrapper
+                        plgpu.copy_smem_to_gmem(vec_s, dbe_g.at[b, 2 * hv + kh, rows])
+                    else:
+                        emit_tile(dbk_k, st_s, db_g.at[b, rows, hv, cols])
+                    emit_tile(dbk * gate + dkl, st_s, dk_g.at[b, rows, hv, cols])
+                    plgpu.wait_smem_to_gmem(0)
+
                 # dL = −Aᵀ (dA Aᵀ), strict lower, through the tensor cores as hi + lo (as unsplit)
                 dec = Decay(g_s, gr_s, gl_s, dt)  # [C, 64]: the decays of this K-half only
-                dL = _neg_inverse_product(dec, m_s, a_s, dA_out)
-                lower = cp.iota((C, C), 0) > cp.iota((C, C), 1)  # built here: no live masks before
-                m_s[...] = jnp.where(lower, dL, 0.0).astype(dt)
-                plgpu.commit_smem()
-
-                # The tail keeps few [C, 64] tiles live (no spills): dkL is formed first and
-                # parked in the f32 staging tile while dbk is formed; k, the gate and e^G are
-                # reloaded from SMEM where needed instead of being held across the products.
-                def gate_tile():
-                    return beta_tile() if scalar else cp.load_tile(b_s)
-
-                def k_tile():
-                    return cp.load_tile(k_s).astype(f32)
-
-                dkl = dec.cols(m_s, gate_tile() * k_tile(), x_s, sliced=sliced)
-                st_s[...] = dkl  # read back below by the same threads, in the same layout
-                plgpu.commit_smem()
-                dbk = dec.rows(m_s, k_tile(), x_s)
-                dbk = dbk + cp.matmul(a_s.T, dw_s, (C, H2)) * jnp.exp(cp.load_tile(g_s))
-                dkl = cp.load_tile(st_s)
-                k = k_tile()
-                gate = gate_tile()
-                emit_tile(dbk * (gate * k) - dkl * k, st_s, dg_g.at[b, rows, hv, cols])
-                dbk_k = dbk * k
-                if scalar:
-                    dbe_out = dbe + jnp.sum(dbk_k, axis=1)
-                    vec_s[...] = dbe_out
-                    plgpu.commit_smem()
-                    # partial dβ of this half: row 2 hv + kh, summed over kh by the wrapper
-                    plgpu.copy_smem_to_gmem(vec_s, dbe_g.at[b, 2 * hv + kh, rows])
-                else:
-                    emit_tile(dbk_k, st_s, db_g.at[b, rows, hv, cols])
-                emit_tile(dbk * gate + dkl, st_s, dk_g.at[b, rows, hv, cols])
-                plgpu.wait_smem_to_gmem(0)
+                if not scaled:
+                    dL = _neg_inverse_product(dec, m_s, a_s, dA_out)
+                    tail(m_s, None, x_s, dL)
+                    return dA_out
+                # f16: dA's f16 staging tile, then dL hi, lo and the factored-operand scratch
+                # (bf16) take turns in one space (the SMEM of two CTAs per SM)
+                dL = pl.run_scoped(
+                    lambda m_s: _neg_inverse_product(dec, m_s, a_s, dA_out),
+                    slice_smem((C, C), dt, sliced),
+                )
+                pl.run_scoped(
+                    lambda *tiles: tail(*tiles, dL),
+                    slice_smem((C, C), odt, sliced),  # dL hi
+                    slice_smem((C, C), odt, sliced),  # dL lo
+                    slice_smem((C, H2), odt, sliced),  # factored-operand scratch
+                )
                 return dA_out
 
             return pl.run_scoped(
@@ -403,7 +466,8 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
         outer,
         slice_smem((C, C), dt, sliced),  # A
         slice_smem((C, HALF), dt, sliced),  # operand scratch (dA operands, dv, decay products)
-        slice_smem((C, C), dt, sliced),  # dA, dA Aᵀ (hi, lo), then dL
+        # dA, dA Aᵀ (hi, lo), then dL (f16: in the own K-half pass, see k_pass)
+        None if scaled else slice_smem((C, C), dt, sliced),
         cp.smem((C,), f32),  # dβ (KDA)
         cp.smem((C,) if scalar else (8,), f32),  # β (KDA)
         plgpu.Barrier(num_barriers=n_bar),
@@ -458,6 +522,14 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
         if config.scalar_beta:
             outs = outs[:3] + (outs[3].reshape(B, HV, 2, T).sum(axis=2),)
         return outs
+
+    if k.dtype == jnp.float16 and K != HALF:
+        # the unsplit form with the f16 form's bf16 dL hi/lo and operand tiles: over an SM's
+        # shared memory at K = 128 (bf16 already needs 211 KiB there)
+        raise NotImplementedError(
+            f"{k.shape=}: f16 channel_bwd_wy at K = {K} needs k_split=True (the unsplit form "
+            "exceeds the shared memory with the f16 staging tiles)"
+        )
 
     def body(*refs):
         _wy_body(*refs, scalar=config.scalar_beta, group=HV // H, sliced=config.sliced)

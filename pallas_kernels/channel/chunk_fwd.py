@@ -14,6 +14,16 @@ chunk into one SMEM tile, the B operand of both ``w S`` and ``qg S``. With ``sto
 writes the state entering each chunk (h) and v_new instead of o: the backward's recomputation.
 Padded rows (zero qg, kg, w, u and Aqk rows/columns) leave S unchanged; e^{G_last} must be the
 decay at the chunk's last valid row (padded rows repeat it).
+
+f16 io (DESIGN §3: an f32 state is never staged through plain f16, whose maximum is 65504): the
+state tile is staged as f16 with one scale per V column (:func:`pallas_kernels.gdn.fake_quant.
+f16_stage_scales`, each column's amax at 2^14), and the columns of ``w S`` and ``qg S`` are
+multiplied back by the scales in f32, as in :mod:`pallas_kernels.gdn.chunk_fwd`. With
+``store_h``, h is written in f32 from a second, f32 SMEM tile (double-buffered for its TMA
+store), so the staged tile is single-buffered and the unused o tiles are not allocated; the f32
+h tiles do not fit at K = block_v = 128. The f16 forward has a single o tile (each step waits for
+the previous o store) so that K = block_v = 128 fits with the scale reductions' SMEM. v_new and
+o stay f16 (the update ``kgᵀ v_new`` has no state operand).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
+from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
 CHUNK = 64
 f32 = jnp.float32
@@ -60,6 +71,11 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
     K = kg_g.shape[-1]
     dt = kg_g.dtype
     n_groups = 2 if store_h else 1  # TMA store groups issued per step
+    # f16 io: the state is staged with one scale per column (its range is kept) and the backward's
+    # h is written in f32 (DESIGN §3: never stage the state through plain f16)
+    scaled = dt == jnp.float16
+    # f16 forward: one o tile, so that K = block_v = 128 fits in SMEM with the scale reductions
+    o_single = scaled and not store_h
 
     def load_h0(h0_s, bar):
         plgpu.copy_gmem_to_smem(h0_g.at[b, hv, :, cols], h0_s, bar)
@@ -68,7 +84,10 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
 
     S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
 
-    def scoped(s_s, vn_s, o_s):
+    def scoped(s_s, vn_s, buf):
+        # buf: the o tiles (two slots; one with f16), or with f16 store_h the two f32 h tiles
+        hf_s = buf if store_h and scaled else None
+
         def step(idx, *args):
             if store_h:
                 kg_s, w_s, u_s, dl_s, S = args
@@ -77,25 +96,37 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
             (c,) = idx
             slot = lax.rem(c, 2)
             # the stores issued two steps ago (same slot) must have finished reading SMEM
-            plgpu.wait_smem_to_gmem(n_groups, wait_read_only=True)
-            s_ref = s_s.at[slot] if store_h else s_s
+            # (f16 forward: the single o tile, so step c-1's o store too)
+            plgpu.wait_smem_to_gmem(0 if o_single else n_groups, wait_read_only=True)
+            # with f16 h is stored from the f32 tile, so the staged one is not a TMA source
+            s_ref = s_s.at[slot] if store_h and not scaled else s_s
             vn_ref = vn_s.at[slot] if store_h else vn_s
-            s_ref[...] = S.astype(dt)
+            if scaled:
+                inv, sc = f16_stage_scales(S, axis=0)  # [BV] each: column amax -> 2^14
+                s_ref[...] = (S * cp.bcast_cols(inv, (K, BV))).astype(dt)
+                unstage = lambda x: x * cp.bcast_cols(sc, x.shape)
+            else:
+                s_ref[...] = S.astype(dt)
+                unstage = lambda x: x
+            if store_h and scaled:
+                hf_s.at[slot][...] = S
             plgpu.commit_smem()
             if store_h:
-                plgpu.copy_smem_to_gmem(s_ref, h_g.at[b, c, hv, :, cols])
-            v_new = u_s[...].astype(f32) - cp.matmul(w_s, s_ref, (C, BV))
+                h_src = hf_s.at[slot] if scaled else s_ref
+                plgpu.copy_smem_to_gmem(h_src, h_g.at[b, c, hv, :, cols])
+            v_new = u_s[...].astype(f32) - unstage(cp.matmul(w_s, s_ref, (C, BV)))
             vn_ref[...] = v_new.astype(dt)
             if not store_h:
-                o_inter = cp.matmul(qg_s, s_ref, (C, BV))
+                o_inter = unstage(cp.matmul(qg_s, s_ref, (C, BV)))
             plgpu.commit_smem()
             if store_h:
                 plgpu.copy_smem_to_gmem(vn_ref, vn_g.at[b, pl.ds(c * C, C), hv, cols])
             else:
                 o = (o_inter + cp.matmul(aqk_s, vn_ref, (C, BV))) * cfg.scale
-                o_s.at[slot][...] = o.astype(o_g.dtype)
+                o_ref = buf if o_single else buf.at[slot]
+                o_ref[...] = o.astype(o_g.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s.at[slot], o_g.at[b, pl.ds(c * C, C), hv, cols])
+                plgpu.copy_smem_to_gmem(o_ref, o_g.at[b, pl.ds(c * C, C), hv, cols])
             decay = cp.bcast_rows(cp.row_vec(dl_s), (K, BV))
             return S * decay + cp.matmul(kg_s.T, vn_ref, (K, BV))
 
@@ -119,14 +150,13 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
         return S
 
     nbuf = 2 if store_h else 1
-    s_shape = (nbuf, K, BV) if store_h else (K, BV)
+    s_shape = (nbuf, K, BV) if store_h and not scaled else (K, BV)
     vn_shape = (nbuf, C, BV) if store_h else (C, BV)
-    S = pl.run_scoped(
-        scoped,
-        cp.smem(s_shape, dt),
-        cp.smem(vn_shape, dt),
-        cp.smem((2, C, BV), dt),
-    )
+    if store_h and scaled:  # h in f32, one tile per TMA store slot (the o tiles are not used)
+        buf = cp.smem((2, K, BV), f32)
+    else:
+        buf = cp.smem((C, BV) if o_single else (2, C, BV), dt)
+    S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), buf)
     if not store_h:
         store_f32_tile(S, ht_g.at[b, hv, :, cols])
 
@@ -152,17 +182,26 @@ def channel_chunk_fwd(
       config: :class:`ChannelFwdConfig`.
     Returns:
       Default: (o [B, T, HV, V] in kg.dtype, final state [B, HV, K, V] f32).
-      ``store_h``: (h [B, T/64, HV, K, V] in kg.dtype, the state entering each chunk;
-      v_new [B, T, HV, V] in kg.dtype).
+      ``store_h``: (h [B, T/64, HV, K, V] in kg.dtype (f32 for f16 io), the state entering each
+      chunk; v_new [B, T, HV, V] in kg.dtype).
+    Raises:
+      NotImplementedError: f16 io with ``store_h`` at K = block_v = 128 (the f32 h tiles do not
+        fit in shared memory; block_v = 64 does).
     """
     B, T, HV, K = kg.shape
     V = u.shape[3]
     if T % CHUNK or V % config.block_v:
         raise ValueError(f"{kg.shape=} {u.shape=}: T % 64 and V % block_v must be 0")
+    f16 = kg.dtype == jnp.float16
+    if config.store_h and f16 and K * config.block_v > 128 * 64:
+        raise NotImplementedError(
+            f"f16 store_h with K={K}, block_v={config.block_v}: the two f32 [K, block_v] h tiles "
+            "do not fit in shared memory; use block_v=64"
+        )
     nt = T // CHUNK
     if config.store_h:
         out_type = (
-            jax.ShapeDtypeStruct((B, nt, HV, K, V), kg.dtype),
+            jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if f16 else kg.dtype),
             jax.ShapeDtypeStruct((B, T, HV, V), kg.dtype),
         )
         ins = (kg, w, u, decay_last, h0)

@@ -30,6 +30,16 @@ SM's shared memory (:func:`_split_body`).
 
 Precision: K-contractions, A and every accumulation in f32; wgmma operands (the factored k, q,
 A, the gated v) are 16-bit. Outputs are stored in the io dtype.
+
+f16 io (q, k, v and the outputs f16; split form only): the factored operands of L and Aqk,
+``x_i e^{G_i − r_I}`` and ``k_j e^{r_I − G_j}``, reach e^{8·|g|} (e^{40} at log-decay −5 per
+token), beyond f16's 65504, and span more than its dynamic range within a sub-chunk, so they are
+staged as bf16 pairs hi = bf16(x), lo = bf16(x − hi) (f32's range, ~16 bits) and multiplied as
+hi·hi + hi·lo + lo·hi into the same f32 accumulator. Everything else stays f16: A (|A| bounded
+by the inverse's size), the gated k and v operands of w and u (factors ≤ 1), qg, kg (factors
+≤ 1), Aqk (≤ |q||k|). Values below f16's smallest normal (6.1e-5, e.g. qg and w rows under
+strong decay) are stored subnormal, like any f16 rounding of them. The unsplit kernel has no
+room for the pairs at K = 128 and raises NotImplementedError for f16.
 """
 
 from __future__ import annotations
@@ -69,7 +79,8 @@ class ChannelIntraConfig:
       store_a: also write A (16-bit) for the backward.
       split: two CTAs per (chunk, value head, batch row), one forming L → A → w, u (and A), the
         other Aqk, qg, kg, each on [64, 64] register tiles with about half the shared memory, so
-        two CTAs share an SM (see :func:`_split_body`). Needs K == V ∈ {64, 128}.
+        two CTAs share an SM (see :func:`_split_body`). Needs K == V ∈ {64, 128}. The only form
+        serving f16 io.
     """
 
     scalar_beta: bool = False
@@ -284,6 +295,14 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
     lowering (bf16, with its alignment): 108 720 B (GDN2) / 93 336 B (KDA), against 224 320 B /
     159 800 B for :func:`_intra_body`, so two CTAs share an SM (228 KiB, 1 KiB reserved per CTA;
     tests/pallas/test_channel_intra_split.py lowers it under that limit).
+
+    f16 io: the L / Aqk operands are bf16 hi/lo pairs, four [C, 64] bf16 tiles (32 768 B) in each
+    pass's scope (the f16 staging tiles cannot hold bf16). To stay under half an SM, the wy task
+    then allocates the inverse scratch x, oy and the output staging (32 768 B, used only after
+    the L passes) in the tail's scope instead of "always": wy peak = always (32 896 / 33 096) +
+    L pass (74 752 / 58 400); qk peak = 32 848 + 66 816. Mosaic's count (f16, K = V = 128):
+    108 720 B (GDN2) / 100 504 B (KDA); K = 64: 100 440 B / 100 392 B
+    (tests/pallas/test_channel_f16_intra.py lowers it under the two-CTA limit).
     """
     scalar = cfg.scalar_beta
     (q_g, k_g, v_g, G_g, gr_g, gl_g, be_g, b_g, wg_g,
@@ -292,6 +311,12 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
     c, hv, task, b, hk, rows = pair_chunk_coords(group, C)
     npass = k_g.shape[-1] // H2
     dt = k_g.dtype
+    # f16 io: the factored L / Aqk operands as bf16 hi/lo pairs in their own pass-scoped tiles
+    # (the f16 staging tiles st_s keep the other roles: outputs, Aqk)
+    hilo = dt == jnp.float16
+
+    def hilo_tiles():  # (row, column) operand pairs, each (hi, lo); none for bf16 io
+        return tuple((tile(jnp.bfloat16), tile(jnp.bfloat16)) for _ in range(2)) if hilo else ()
 
     def cols(p):
         return pl.ds(p * H2, H2)
@@ -299,22 +324,43 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
     def tile(dtype=None):  # one [C, 64] scratch tile (16-bit operand by default)
         return cp.smem((C, H2), dt if dtype is None else dtype)
 
+    def stage(s, val):
+        """Stages the factored operand ``val`` ([C, 64] f32): in ``dt`` into the tile ``s``, or
+        for f16 io as the bf16 pair hi = bf16(val), lo = bf16(val − hi) into ``s = (hi, lo)``
+        (the factors reach e^{8·|g|}, beyond f16's 65504; bf16 has f32's range and hi + lo
+        ~16 bits of precision)."""
+        if not hilo:
+            s[...] = val.astype(dt)
+            return
+        hi = val.astype(jnp.bfloat16)
+        s[0][...] = hi
+        s[1][...] = (val - hi.astype(f32)).astype(jnp.bfloat16)
+
+    def product(row_s, col_s):
+        """row · colᵀ, [C, C] f32; for hi/lo pairs hi·hi + hi·lo + lo·hi in one accumulator
+        (lo·lo, ~2^-18 relative, is below the pair's own ~2^-16)."""
+        if not hilo:
+            return cp.matmul(row_s, col_s.T, (C, C))
+        (rh, rl), (ch, cl) = row_s, col_s
+        return cp.matmul_sum(((rh, ch.T), (rh, cl.T), (rl, ch.T)), (C, C))
+
     def pass_products(dec, x, row_s, col_s, k_f32, acc):
         """``acc`` (None: 0) plus, in the rows of each sub-chunk I, (x e^{G − r_I}) (k e^{r_I −
         G})ᵀ over this pass's 64 key columns: the unsplit kernel's L / Aqk products, [C, C] f32
         (garbage above the diagonal, masked by the caller). ``x``: [C, 64] f32 in registers;
         ``k_f32()`` loads k (re-read from SMEM for every sub-chunk rather than held live across
         the products). Each row takes one product, added in place: a single [C, C] tile stays
-        live across the passes."""
-        row_s[...] = (x * dec.e_own()).astype(dt)
+        live across the passes. ``row_s``, ``col_s``: [C, 64] ``dt`` tiles, or for f16 io
+        (hi, lo) pairs of bf16 tiles (:func:`stage`)."""
+        stage(row_s, x * dec.e_own())
         rblk = lax.shift_right_logical(cp.iota((C, C), 0), 4)
         out = acc
         for I in range(NSUB):
             upto = dec.blk <= I
             expo = jnp.where(upto, dec.bref(I) - dec.G(), 0.0)  # masked before exp
-            col_s[...] = jnp.where(upto, k_f32() * jnp.exp(expo), 0.0).astype(dt)
+            stage(col_s, jnp.where(upto, k_f32() * jnp.exp(expo), 0.0))
             plgpu.commit_smem()
-            m = cp.matmul(row_s, col_s.T, (C, C))
+            m = product(row_s, col_s)
             # other rows may hold inf (unbounded factor pairs): select, never multiply by a mask
             if acc is None:
                 out = jnp.where(rblk == I, m, 0.0 if out is None else out)
@@ -323,7 +369,9 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
         return out
 
     def wy_task():
-        def outer(x_s, oy_s, wop_s, v_s, st_s, be_s, bar):
+        def outer(x_o, oy_o, wop_s, v_s, st_o, be_s, bar):
+            """x_o, oy_o (inverse scratch), st_o (operand / output staging): None for f16 io,
+            where the tail allocates them (see :func:`late_tiles`)."""
             bars = Bars(bar)
             # v is needed only for u at the end: its load overlaps L and the inverse
             v_ids = bars.load(
@@ -332,7 +380,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
             if scalar:
                 bars.load([(be_g.at[b, hv, rows], be_s)])
 
-            def l_pass(p, L, k_s, g_s, gr_s, b_s):
+            def l_pass(p, L, k_s, g_s, gr_s, b_s, *ops):
                 srcs = [
                     (k_g.at[b, rows, hk, cols(p)], k_s),
                     (G_g.at[b, rows, hv, cols(p)], g_s),
@@ -349,7 +397,8 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 def bk():  # the erase-gated key (KDA: β is applied to L's rows instead)
                     return k_f32() if scalar else cp.load_tile(b_s) * k_f32()
 
-                L = pass_products(dec, bk(), st_s[0], st_s[1], k_f32, L)
+                row_s, col_s = ops if hilo else st_o
+                L = pass_products(dec, bk(), row_s, col_s, k_f32, L)
                 # w's right operand b ⊙ e^G ⊙ k for these columns; the commit is also the
                 # warpgroup barrier past which the next pass's loads may overwrite this scope
                 wop_s[p][...] = (bk() * jnp.exp(dec.G())).astype(dt)
@@ -363,6 +412,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 tile(f32),  # G
                 cp.smem((NSUB, H2), f32, swizzled=False),  # reference rows
                 cp.smem((8,), f32) if scalar else tile(f32),  # b (GDN2)
+                *hilo_tiles(),
             )
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
@@ -370,7 +420,8 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
             if scalar:
                 L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
 
-            def tail(wg_s):
+            def tail(wg_s, *own):
+                x_s, oy_s, st_s = own if hilo else (x_o, oy_o, st_o)
                 wg_ids = []
                 if not scalar:
                     wg_ids = bars.load(
@@ -406,25 +457,42 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 plgpu.wait_smem_to_gmem(0)
 
             pl.run_scoped(
-                tail, cp.smem((8,), f32) if scalar else tuple(tile(f32) for _ in range(npass))
+                tail,
+                cp.smem((8,), f32) if scalar else tuple(tile(f32) for _ in range(npass)),
+                *(late_tiles() if hilo else ()),
             )
 
-        pl.run_scoped(
-            outer,
-            cp.smem((C, C), dt),  # inverse scratch, then the A staging
-            cp.smem((C, C), dt),  # inverse scratch, then A (KDA: A diag(β)) for w, u
-            tuple(tile() for _ in range(npass)),  # w's right operand, per K-half
-            tuple(tile() for _ in range(npass)),  # v (GDN2: then w_gate ⊙ v), per V-half
-            (tile(), tile()),  # row / column operands, then output staging
-            cp.smem((C,) if scalar else (8,), f32),  # β (KDA)
-            plgpu.Barrier(num_barriers=4 * npass + 1 if scalar else 6 * npass),
-        )
+        def late_tiles():
+            return (
+                cp.smem((C, C), dt),  # inverse scratch, then the A staging
+                cp.smem((C, C), dt),  # inverse scratch, then A (KDA: A diag(β)) for w, u
+                (tile(), tile()),  # bf16 io: row / column operands; then output staging
+            )
+
+        x_spec, oy_spec, st_spec = late_tiles()
+        wop_spec = tuple(tile() for _ in range(npass))  # w's right operand, per K-half
+        v_spec = tuple(tile() for _ in range(npass))  # v (GDN2: then w_gate ⊙ v), per V-half
+        be_spec = cp.smem((C,) if scalar else (8,), f32)  # β (KDA)
+        bar_spec = plgpu.Barrier(num_barriers=4 * npass + 1 if scalar else 6 * npass)
+        if hilo:
+            # f16 io: the tiles used only after the L passes (inverse scratch, output staging)
+            # live in the tail's scope, the alternative to the passes' bf16 hi/lo tiles, so the
+            # CTA stays under half an SM
+            pl.run_scoped(
+                lambda wop_s, v_s, be_s, bar: outer(None, None, wop_s, v_s, None, be_s, bar),
+                wop_spec,
+                v_spec,
+                be_spec,
+                bar_spec,
+            )
+        else:
+            pl.run_scoped(outer, x_spec, oy_spec, wop_spec, v_spec, st_spec, be_spec, bar_spec)
 
     def qk_task():
         def outer(st_s, out_s, bar):
             bars = Bars(bar)
 
-            def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s):
+            def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s, *ops):
                 bars.load(
                     [
                         *decay_copies(
@@ -453,9 +521,8 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 plgpu.copy_smem_to_gmem(out_s[0], qg_g.at[b, rows, hv, cols(p)])
                 plgpu.copy_smem_to_gmem(out_s[1], kg_g.at[b, rows, hv, cols(p)])
                 q = cp.load_tile(q_s).astype(f32)
-                P = pass_products(
-                    dec, q, st_s[0], st_s[1], lambda: cp.load_tile(k_s).astype(f32), P
-                )
+                row_s, col_s = ops if hilo else st_s
+                P = pass_products(dec, q, row_s, col_s, lambda: cp.load_tile(k_s).astype(f32), P)
                 plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
                 return P
 
@@ -465,6 +532,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 tile(),  # q
                 tile(),  # k
                 *decay_smem(C, H2),  # G, reference rows, G_last
+                *hilo_tiles(),
             )
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
@@ -511,7 +579,8 @@ def channel_intra(
     """Computes qg, kg, w, u, Aqk (and optionally A) for every chunk.
 
     Args:
-      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
+      q, k: [B, T, H, K] bf16/f16 (f16 only with ``config.split``, else NotImplementedError), T a
+        multiple of 64; padded rows must be zero.
       v: [B, T, HV, V], same dtype; HV % H == 0; K, V ∈ {64, 128}.
       G: [B, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
@@ -555,6 +624,14 @@ def channel_intra(
             split_body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra", pair=True
         )
     else:
+        if dt == jnp.float16:
+            raise NotImplementedError(
+                "f16 io needs the factored L / Aqk operands staged as bf16 hi/lo pairs, which only "
+                "the split channel_intra does (the unsplit kernel already needs 224 320 B of "
+                "shared memory per CTA at K = 128 for bf16; bf16 hi/lo tiles of its three factored "
+                "[64, K] operands, 96 KiB at K = 128, do not fit): "
+                "use ChannelIntraConfig(split=True) with K == V ∈ {64, 128}"
+            )
 
         def body(*refs):
             _intra_body(*refs, cfg=config, group=HV // H)

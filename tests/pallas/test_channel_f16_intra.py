@@ -1,0 +1,223 @@
+"""f16 io of the channel-decay intra kernel (split form): bf16 hi/lo factored operands.
+
+With f16 q, k, v the decay-factored operands of the L and Aqk products (``x_i e^{G_i − r_I}``
+and ``k_j e^{r_I − G_j}``, factors up to e^{8·|g|}: e^{40} at a log-decay of −5 per token) do
+not fit f16 (max 65504); the split kernel stages them as bf16 hi/lo pairs and accumulates
+hi·hi + hi·lo + lo·hi in f32. Everything else (A, the gated k and v, the outputs) stays f16.
+
+Checked: every output against the stage's formulas in f32 jnp on the same f16 inputs (per-token
+log-decays −5, −0.1 and 0 in every channel, and random ones in [−1, 0]); a jnp emulation of the
+factored Aqk product shows that plain f16 operands overflow at −5 per token while the hi/lo
+pair meets the tolerance; the CUDA lowering of the f16 split kernel fits one CTA's shared
+memory; the unsplit form refuses f16.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gdn_cases import run_interpreted
+from test_channel_intra_split import OUTS, _refs, _shapes
+from test_channel_ksplit_dqkw import SMEM_TWO_CTAS, _smem_limit
+from test_channel_pallas_bwd import _chunks, _explicit, core_case
+
+from gdn_jax.testing import rel_rms
+from pallas_kernels import _compat as pk
+from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
+
+f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
+F16_MAX = 65504.0
+
+# Relative RMS tolerance per output. Each output is rounded once to f16 (unit roundoff 2^-11,
+# relative RMS ≈ 2^-11/√3 ≈ 2.8e-4); w and u also take A and their right operands as f16
+# tensor-core operands (a few roundings of that size; measured ≤ 3.5e-4 at the tiny shapes); the
+# factored L / Aqk operands carry ~2^-16 (hi/lo pairs). 1e-3 is about three f16 roundings and a
+# twentieth of the bf16 kernels' tolerance (2e-2): staging the factored operands in plain bf16
+# instead of hi/lo already misses it (2.1e-3 on Aqk, test_factored_operands_need_hilo), plain
+# f16 overflows to inf.
+TOL = 1e-3
+
+
+def _f16_inputs(seed, variant, N, T, H, HV, K, g_val=None):
+    """channel_intra's inputs (q, k, v f16; G, gates f32) from the backward tests' core case: unit
+    q/k rows, per-channel log-decays in [−1, 0] (or all ``g_val``), gates in [0, 1]; KDA's β as
+    [N, HV, T]."""
+    _, (q, k, v, G, b, w, _), _ = core_case(seed, variant, N, T, H, HV, K, g_val=g_val)
+    b = b.transpose(0, 2, 1) if w is None else b
+    return q.astype(f16), k.astype(f16), v.astype(f16), G, b, w
+
+
+def _intra(args, store_a=True):
+    q, k, v, G, b, w = args
+    cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=store_a, split=True)
+    return dict(zip(OUTS, channel_intra(q, k, v, G, b, w, cfg), strict=False))
+
+
+def check_f16(args, *, tol=TOL, jit=False):
+    """Every output f16, finite, and within ``tol`` + 2·floor relative RMS of the f32 formulas,
+    floor being the error of the formulas' value rounded to f16 (the best f16 output): under
+    strong decay qg and w hold values below f16's smallest normal 6.1e-5, whose subnormal grid
+    alone costs ~1e-2 at a log-decay of −10, and w's right operand b ⊙ e^G ⊙ k is itself an f16
+    tensor-core operand (a second rounding of that size); elsewhere floor is ~2e-4."""
+    run, refs = (jax.jit(_intra), jax.jit(_refs)) if jit else (_intra, _refs)
+    got, ref = run(args), refs(args)
+    errs = {name: rel_rms(got[name], ref[name]) for name in OUTS}
+    floor = {name: rel_rms(ref[name].astype(f16), ref[name]) for name in OUTS}
+    print(
+        "f16 intra", ", ".join(f"{n} {errs[n]:.1e} (f16 {floor[n]:.1e})" for n in OUTS), flush=True
+    )
+    for name in OUTS:
+        assert got[name].dtype == f16, (name, got[name].dtype)
+        assert np.isfinite(np.asarray(got[name], f32)).all(), name
+    bad = {n: e for n, e in errs.items() if not e <= 2 * floor[n] + tol}
+    assert not bad, (bad, errs, floor)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: Mosaic GPU interpreter (two chunks, one q/k head; GVA: two value heads read it)
+
+
+@pytest.mark.parametrize(
+    "variant,HV,g_val",
+    [
+        ("kda", 2, -5.0),  # the required strongest decay, GVA
+        ("gdn2", 1, -5.0),
+        ("gdn2", 2, -0.1),  # GVA
+        ("kda", 1, 0.0),  # no decay: every factor 1
+        ("gdn2", 1, None),  # random per-channel log-decays in [−1, 0]
+    ],
+)
+def test_interpret_f16_k64(variant, HV, g_val):
+    args = _f16_inputs(3, variant, 1, 128, 1, HV, 64, g_val=g_val)
+    run_interpreted(lambda: check_f16(args))
+
+
+def test_interpret_f16_k128():
+    """Two 64-column passes (K = V = 128) at −5 per token."""
+    args = _f16_inputs(5, "gdn2", 1, 64, 1, 1, 128, g_val=-5.0)
+    run_interpreted(lambda: check_f16(args))
+
+
+def test_interpret_f16_clamp_decay():
+    """Log-decay −10 per token (the op's clamp): factors up to e^{80}, still finite in bf16; the
+    products above the diagonal overflow (inf, or NaN from hi·hi + hi·lo) and are dropped."""
+    args = _f16_inputs(6, "kda", 1, 64, 1, 1, 64, g_val=-10.0)
+    run_interpreted(lambda: check_f16(args))
+
+
+def test_interpret_f16_without_a():
+    """store_a=False: the same five outputs as with it."""
+    args = _f16_inputs(4, "kda", 1, 64, 1, 1, 64, g_val=-5.0)
+
+    def run():
+        with_a, without = _intra(args), _intra(args, store_a=False)
+        assert len(without) == 5
+        for name, x in without.items():
+            assert np.array_equal(np.asarray(x), np.asarray(with_a[name])), name
+
+    run_interpreted(run)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: why hi/lo — the factored operands at −5 per token, emulated in jnp
+
+
+def _factored_aqk(q, k, G, stage):
+    """Aqk_ij = Σ_d q_id k_jd e^{G_id − G_jd} (i ≥ j) computed as the kernel does: per sub-chunk
+    I, rows ``q e^{G − r_own}`` times columns ``k e^{r_I − G}`` (j ≤ end(I)), both operands
+    passed through ``stage`` (a pair of [M, 64, K] f32 → list of (row, col) term pairs).
+    q, k: [N, T, HV, K]; G: [N, T, HV, K] f32. Returns [M, 64, 64] f32 and the largest operand
+    magnitude."""
+    Gc, qc, kc = _chunks(G), _chunks(q), _chunks(k)
+    r = Gc[:, 8::16]  # [M, 4, K] reference rows
+    X = qc * jnp.exp(Gc - jnp.repeat(r, 16, axis=1))
+    i = jnp.arange(64)[:, None]
+    j = jnp.arange(64)[None, :]
+    rblk = (i // 16)[None]
+    out, big = jnp.zeros(X.shape[:2] + (64,), f32), jnp.max(jnp.abs(X))
+    for I in range(4):
+        upto = (jnp.arange(64) < 16 * (I + 1))[None, :, None]
+        Y = jnp.where(upto, kc * jnp.exp(jnp.where(upto, r[:, I : I + 1] - Gc, 0.0)), 0.0)
+        big = jnp.maximum(big, jnp.max(jnp.abs(Y)))
+        m = sum(jnp.einsum("mid,mjd->mij", a, b, precision="highest") for a, b in stage(X, Y))
+        out = jnp.where(rblk == I, m, out)
+    return jnp.where((i >= j)[None], out, 0.0), big
+
+
+def _plain(dt):
+    return lambda X, Y: [(X.astype(dt).astype(f32), Y.astype(dt).astype(f32))]
+
+
+def _hilo(X, Y):
+    """The kernel's staging: hi·hi + hi·lo + lo·hi of bf16 pairs."""
+
+    def split(x):
+        hi = x.astype(bf16)
+        return hi.astype(f32), (x - hi.astype(f32)).astype(bf16).astype(f32)
+
+    (xh, xl), (yh, yl) = split(X), split(Y)
+    return [(xh, yh), (xh, yl), (xl, yh)]
+
+
+def test_factored_operands_need_hilo():
+    """At −5 per token the factored operands reach ~e^{40} (> 65504): plain f16 staging gives
+    inf/NaN, plain bf16 misses the tolerance, the bf16 hi/lo pair meets it."""
+    q, k, v, G, b, w = _f16_inputs(3, "gdn2", 1, 128, 1, 1, 64, g_val=-5.0)
+    ref = jnp.einsum("mid,mjd,mijd->mij", _chunks(q), _chunks(k), _explicit(G))
+    got_hilo, big = _factored_aqk(q, k, G, _hilo)
+    got_f16, _ = _factored_aqk(q, k, G, _plain(f16))
+    got_bf16, _ = _factored_aqk(q, k, G, _plain(bf16))
+    assert float(big) > 1e4 * F16_MAX, float(big)  # e^{40}·|q| ≈ 1e16
+    e_hilo, e_f16, e_bf16 = (rel_rms(x, ref) for x in (got_hilo, got_f16, got_bf16))
+    print(f"factored Aqk: hi/lo {e_hilo:.1e}, f16 {e_f16:.1e}, bf16 {e_bf16:.1e}", flush=True)
+    assert e_hilo <= TOL / 10, e_hilo
+    assert not np.isfinite(np.asarray(got_f16)).all() and e_f16 == float("inf")
+    assert e_bf16 > TOL, e_bf16
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the real GPU lowering (layout inference, wgmma operand checks, the SMEM budget)
+
+
+def _lower(cfg, dt, K):
+    f = lambda *a: channel_intra(*a, cfg)  # noqa: E731
+    args = _shapes(1, 192, 2, 4, K, dt, cfg.scalar_beta)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_f16_split_lowers_for_cuda(variant, K):
+    """Lowers with the bf16 hi/lo operand tiles in at most half an SM's shared memory per CTA
+    (two CTAs per SM; Mosaic's count for f16 io: 100 504 B KDA / 108 720 B GDN2 at K = V = 128,
+    100 392 B / 100 440 B at K = 64)."""
+    cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=True, split=True)
+    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
+        txt = _lower(cfg, f16, K)
+    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1 and re.search(r"\\00chan_intra\\00", calls[0]), len(calls)
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_f16_unsplit_not_implemented(K):
+    """The one-CTA form has no hi/lo staging (no room at K = 128): it refuses f16."""
+    args = _shapes(1, 64, 1, 1, K, f16, True)
+    cfg = ChannelIntraConfig(scalar_beta=True, split=False)
+    with pytest.raises(NotImplementedError, match="split"):
+        jax.eval_shape(lambda *a: channel_intra(*a, cfg), *args)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (H200): a realistic shape, with GVA, at −5 per token and at random decays
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g_val", [-5.0, None])
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_f16_split(variant, g_val):
+    args = _f16_inputs(2, variant, 2, 2048, 4, 16, 128, g_val=g_val)
+    check_f16(args, jit=True)
