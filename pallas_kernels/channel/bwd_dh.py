@@ -33,7 +33,7 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
-from pallas_kernels.gdn.fake_quant import f16_stage_scales
+from pallas_kernels.gdn.fake_quant import stage_columns
 
 CHUNK = 64
 f32 = jnp.float32
@@ -65,16 +65,13 @@ def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0
                 # single-buffered stores: those of step i-1 must have left SMEM
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 dh_ref = dh_s
-                inv, sc = f16_stage_scales(dH, axis=0)  # [BV] each: column amax -> 2^14
-                dh_ref[...] = (dH * cp.bcast_cols(inv, (K, BV))).astype(dt)
+                unstage = stage_columns(dH, dh_ref, scaled)
                 dhf_s[0][...] = dH
                 dh_src = dhf_s[0]
-                unstage = lambda x: x * cp.bcast_cols(sc, x.shape)
             else:
                 plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # the stores of step i-2 left SMEM
                 dh_ref = dh_src = dh_s.at[slot]
-                dh_ref[...] = dH.astype(dt)
-                unstage = lambda x: x
+                unstage = stage_columns(dH, dh_ref, scaled)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dh_src, dh_g.at[b, c, hv, :, cols])
 

@@ -22,7 +22,7 @@ from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
 from pallas_kernels.gdn.chunk_fwd import META_COLS, check_meta
-from pallas_kernels.gdn.fake_quant import f16_stage_scales
+from pallas_kernels.gdn.fake_quant import stage_columns
 
 CHUNK = 64
 f32 = jnp.float32
@@ -73,15 +73,12 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
                 dH = jnp.where(on, cp.load_tile(dhf[0]), dH)
             if scaled:
                 dh_ref = dh_s
-                inv, sc = f16_stage_scales(dH, axis=0)
-                dh_ref[...] = (dH * cp.bcast_cols(inv, (K, BV))).astype(dt)
+                unstage = stage_columns(dH, dh_ref, scaled)
                 dhf[0][...] = dH
-                unstage = lambda x: x * cp.bcast_cols(sc, x.shape)
                 dh_src = dhf[0]
             else:
                 dh_ref = dh_src = dh_s.at[slot] if nbuf == 2 else dh_s
-                dh_ref[...] = dH.astype(dt)
-                unstage = lambda x: x
+                unstage = stage_columns(dH, dh_ref, scaled)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dh_src, dh_g.at[b, c, hv, :, cols])
 

@@ -25,7 +25,7 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
-from pallas_kernels.gdn.fake_quant import f16_stage_scales, fake_quant_e4m3
+from pallas_kernels.gdn.fake_quant import fake_quant_e4m3, stage_columns
 
 CHUNK = 64
 f32 = jnp.float32
@@ -135,13 +135,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
             plgpu.wait_smem_to_gmem(n_groups, wait_read_only=True)
             s_ref = s_s.at[slot] if store_h and not scaled else s_s
             vn_ref = vn_s.at[slot] if store_h else vn_s
-            if scaled:
-                inv, sc = f16_stage_scales(S, axis=0)
-                s_ref[...] = (S * cp.bcast_cols(inv, (K, BV))).astype(dt)
-                unstage = lambda x: x * cp.bcast_cols(sc, x.shape)
-            else:
-                s_ref[...] = S.astype(dt)
-                unstage = lambda x: x
+            unstage = stage_columns(S, s_ref, scaled)
             if store_h and scaled:
                 hf_s.at[slot][...] = S
             plgpu.commit_smem()

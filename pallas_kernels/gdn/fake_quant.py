@@ -22,7 +22,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 
-__all__ = ["E4M3_MAX", "GROUPS", "fake_quant_e4m3", "F16_STAGE_AMAX", "f16_stage_scales"]
+__all__ = [
+    "E4M3_MAX",
+    "GROUPS",
+    "fake_quant_e4m3",
+    "F16_STAGE_AMAX",
+    "f16_stage_scales",
+    "stage_columns",
+]
 
 E4M3_MAX = 448.0
 GROUPS = ("rows", "cols", "all")
@@ -84,3 +91,19 @@ def f16_stage_scales(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     inv = jnp.where(nonzero, F16_STAGE_AMAX / jnp.where(nonzero, amax, 1.0), 1.0)
     scale = jnp.where(nonzero, amax * f32(1.0 / F16_STAGE_AMAX), 1.0)
     return inv, scale
+
+
+def stage_columns(x: jax.Array, dst, scaled: bool):
+    """Stages the f32 register tile ``x`` [R, N] (a state or state gradient) as the 16-bit wgmma
+    operand ``dst`` (SMEM [R, N]) and returns the function that undoes the staging on the result
+    of a product ``a @ dst`` ([M, N]).
+
+    ``scaled`` (f16 io): one scale per column (:func:`f16_stage_scales`, ``axis=0``), multiplied
+    back on the product's columns; otherwise a plain cast (bf16 holds the f32 range).
+    """
+    if not scaled:
+        dst[...] = x.astype(dst.dtype)
+        return lambda y: y
+    inv, sc = f16_stage_scales(x, axis=0)
+    dst[...] = (x * cp.bcast_cols(inv, x.shape)).astype(dst.dtype)
+    return lambda y: y * cp.bcast_cols(sc, y.shape)
