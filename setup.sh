@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 find_python() {
-  for c in python3.13 python3.12 python3; do
+  # the GPU image runs Python 3.12: prefer it, so CI tests what the device runs
+  for c in python3.12 python3.13 python3; do
     if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
       command -v "$c"; return 0
     fi
