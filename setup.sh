@@ -11,7 +11,8 @@ find_python() {
     fi
   done
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(ls "$(pyenv root)/versions" 2>/dev/null | sort -rV); do
+    # 3.12.x first (the GPU image's), then the newest
+    for v in $(ls "$(pyenv root)/versions" 2>/dev/null | grep -E '^3\.12\.' | sort -rV; ls "$(pyenv root)/versions" 2>/dev/null | sort -rV); do
       p="$(pyenv root)/versions/$v/bin/python3"
       if [ -x "$p" ] && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
         echo "$p"; return 0
