@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gdn_cases import run_interpreted
+from test_channel_ksplit_dqkw import _shapes as dqkw_shapes
 from test_channel_pallas_bwd import _kernel_refs
 
 from gdn_jax.ops import _channel_pallas as cpm
@@ -310,13 +311,8 @@ def _smem_limit(limit):
 
 
 def _dqkw_shapes(B, T, H, HV, K, V):
-    S, nt = jax.ShapeDtypeStruct, T // 64
-    return (
-        S((B, T, H, K), f16), S((B, T, H, K), f16), S((B, T, HV, K), f32),
-        S((B, HV, T // 16, K), f32), S((B, HV, nt, K), f32),
-        S((B, nt, HV, K, V), f32), S((B, nt, HV, K, V), f32),
-        *(S((B, T, HV, V), f16) for _ in range(4)),
-    )  # fmt: skip
+    """channel_bwd_dqkw's inputs with f16 io (h and dh f32)."""
+    return dqkw_shapes(B, T, H, HV, K, f16, V=V, state_dt=f32)
 
 
 def _lowers(f, args, limit, name):

@@ -117,14 +117,17 @@ def test_ksplit_k64_falls_back():
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
 
 
-def _shapes(B, T, H, HV, K, dt):
-    """ShapeDtypeStructs of channel_bwd_dqkw's 11 inputs (V = K)."""
+def _shapes(B, T, H, HV, K, dt, V=None, state_dt=None):
+    """ShapeDtypeStructs of channel_bwd_dqkw's 11 inputs: V defaults to K, the states h and dh
+    to the io dtype ``dt`` (f32 for f16 io, as the forward writes them then)."""
     S, nt = jax.ShapeDtypeStruct, T // 64
+    V = K if V is None else V
+    st = dt if state_dt is None else state_dt
     return (
         S((B, T, H, K), dt), S((B, T, H, K), dt), S((B, T, HV, K), f32),
         S((B, HV, T // 16, K), f32), S((B, HV, nt, K), f32),
-        S((B, nt, HV, K, K), dt), S((B, nt, HV, K, K), dt),
-        *(S((B, T, HV, K), dt) for _ in range(4)),
+        S((B, nt, HV, K, V), st), S((B, nt, HV, K, V), st),
+        *(S((B, T, HV, V), dt) for _ in range(4)),
     )  # fmt: skip
 
 
