@@ -110,10 +110,13 @@ def time_jax(f, args, *, iters=20, reps=7) -> float:
     return 1e3 * statistics.median(times)
 
 
-def bench_jax(s, impl, x, variant="gdn", fwd_only=False, qat=None, skip_fwd=False) -> dict:
+def bench_jax(
+    s, impl, x, variant="gdn", fwd_only=False, qat=None, skip_fwd=False, dtype="bfloat16"
+) -> dict:
+    """Times of one implementation; q, k, v and do in the io ``dtype``, gates f32."""
     import gdn_jax
 
-    bf = jnp.bfloat16
+    bf = jnp.dtype(dtype)
     q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
     gates = ("g", "b", "w") if variant == "gdn2" else ("g", "beta")
     gate_args = tuple(jnp.asarray(x[n]) for n in gates)
@@ -304,7 +307,7 @@ def bench_channel_stages(s, x, variant) -> dict:
     return times
 
 
-def bench_fla(s, x, variant="gdn", fwd_only=False) -> dict:
+def bench_fla(s, x, variant="gdn", fwd_only=False, dtype="bfloat16") -> dict:
     import fla.ops.common.chunk_o as fla_chunk_o
     import fla.utils
     import torch
@@ -320,7 +323,7 @@ def bench_fla(s, x, variant="gdn", fwd_only=False) -> dict:
     patched = not fla.utils.TRITON_ABOVE_3_7_1  # the package-wide flag is never patched
     fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated bwd on Triton<3.7.1
     dev = "cuda"
-    bf = torch.bfloat16
+    bf = getattr(torch, dtype)
     t = {n: torch.from_numpy(x[n]).to(dev) for n in x}
     q, k, v = (t[n].to(bf).requires_grad_() for n in ("q", "k", "v"))
     g = t["g"].requires_grad_()
@@ -356,6 +359,7 @@ def main(argv=None):
     p.add_argument("--stages", action="store_true", help="per-kernel times of the pallas path")
     p.add_argument("--variant", choices=("gdn", "kda", "gdn2"), default="gdn")
     p.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="io dtype")
     p.add_argument(
         "--qat", nargs="*", choices=QAT_CONFIGS, default=None,
         help="QAT cost (off vs on) for pallas and xla; optionally which configs",
@@ -388,11 +392,11 @@ def main(argv=None):
     for name in a.shapes:
         s = SHAPES[name]
         x = inputs(s, variant=a.variant)
-        row = {"shape": name, "variant": a.variant, **roofline(s)}
+        row = {"shape": name, "variant": a.variant, "dtype": a.dtype, **roofline(s)}
         for impl in a.impls:
             try:
                 bench = bench_fla if impl == "fla" else functools.partial(bench_jax, impl=impl)
-                r = bench(s, x=x, variant=a.variant, fwd_only=a.fwd_only)
+                r = bench(s, x=x, variant=a.variant, fwd_only=a.fwd_only, dtype=a.dtype)
             except Exception as e:  # noqa: BLE001  report and go on with the other impls
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             row[impl] = r
@@ -417,7 +421,7 @@ def main(argv=None):
 
     print()
     print(f"{meta['device']}  jax {meta['jax']}  fla {meta.get('fla')}  {meta['date']}", end="")
-    print(f"  variant {a.variant}")
+    print(f"  variant {a.variant}  io {a.dtype}")
     if any(r.get("fla", {}).get("patched_triton_gate") for r in rows):
         print("NOTE: FLA gated backward forced on (TRITON_ABOVE_3_7_1 = True), timing only")
     hdr = (

@@ -109,15 +109,19 @@ def _dqkw_body(
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
 
-        def put_dp(transposed: bool):  # dP (or dPᵀ) = scale (do v_newᵀ) ⊙ [j ≤ i]
+        def put_dp(transposed: bool):
+            """Stages dP (or dPᵀ) = scale (do v_newᵀ) ⊙ [j < i]; returns its diagonal [C] f32."""
             if transposed:
-                m = jnp.where(row <= col, cp.matmul(vn_s, do_s.T, (C, C)), 0.0)
+                m = cp.matmul(vn_s, do_s.T, (C, C))
+                strict = row < col
             else:
-                m = jnp.where(row >= col, cp.matmul(do_s, vn_s.T, (C, C)), 0.0)
-            Decay.stage_pair(dp_s, dpl_s, m * scale)
+                m = cp.matmul(do_s, vn_s.T, (C, C))
+                strict = row > col
+            Decay.stage_pair(dp_s, dpl_s, jnp.where(strict, m, 0.0) * scale)
             plgpu.commit_smem()
+            return jnp.sum(jnp.where(row == col, m, 0.0), axis=1) * scale
 
-        put_dp(sliced)  # the sliced "rows" product reads dPᵀ
+        diag = put_dp(sliced)  # the sliced "rows" product reads dPᵀ
 
         # the h products: output part of dq, and dw = −dv2 hᵀ (dv2 = hi + lo)
         dq = _unstage(cp.matmul(do_s, h_s.T, (C, K)), sc_s, 0) * (jnp.exp(dec.G()) * scale)
@@ -137,7 +141,8 @@ def _dqkw_body(
             put_dp(False)
         else:
             dq = dq + dec.rows(dp_s, k, ys_s, lo_s=dpl_s)
-        r1 = dq * q
+        r1 = dq * q  # without the diagonal (see channel_bwd_dqkw)
+        dq = dq + cp.bcast_rows(diag, (C, K)) * k
         if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s)
             x_s[...] = dq.astype(dt)
             plgpu.commit_smem()
@@ -153,9 +158,9 @@ def _dqkw_body(
         dks = _unstage(cp.matmul(vn_s, h_s.T, (C, K)), sc_s, 1) * dec.e_last()  # state part of dk
         last = jnp.sum(dks * k, axis=0)
         dk = dk + dks
-        emit_tile(dk, out_s, dk_g.at[b, rows, hv, :])
         dG = r1 - dk * k
         dG = dG + jnp.where(dec.row == C - 1, cp.bcast_cols(last, (C, K)), 0.0)
+        emit_tile(dk + cp.bcast_rows(diag, (C, K)) * q, out_s, dk_g.at[b, rows, hv, :])
         emit_tile(dG, out_s, dg_g.at[b, rows, hv, :])
         plgpu.wait_smem_to_gmem(0)
 
@@ -288,10 +293,12 @@ def _dqkw_ksplit_body(
             # dP = scale (do v_newᵀ) ⊙ [j ≤ i]. do is gone after this phase, so the sliced form
             # (rows read dPᵀ, cols dP) forms both now instead of rewriting one tile later.
             # f16: dP as bf16 hi + lo; the rows product runs unsliced (no room for dPᵀ hi + lo).
-            m = jnp.where(row >= col, cp.matmul(do_s, vn_s.T, (C, C)), 0.0)
-            Decay.stage_pair(dp_s, dpl_s, m * scale)
+            # Both hold only j < i: the diagonal goes to dq and dk in f32 (see channel_bwd_dqkw).
+            m = cp.matmul(do_s, vn_s.T, (C, C))
+            diag = jnp.sum(jnp.where(row == col, m, 0.0), axis=1) * scale
+            Decay.stage_pair(dp_s, dpl_s, jnp.where(row > col, m, 0.0) * scale)
             if sliced and not scaled:
-                m = jnp.where(row <= col, cp.matmul(vn_s, do_s.T, (C, C)), 0.0)
+                m = jnp.where(row < col, cp.matmul(vn_s, do_s.T, (C, C)), 0.0)
                 dpt_s[...] = (m * scale).astype(dt)
             plgpu.commit_smem()
             dqh = _unstage(cp.matmul(do_s, h_s.T, (C, KH)), sc_s, 0) * scale
@@ -301,13 +308,13 @@ def _dqkw_ksplit_body(
             dw = -_unstage(cp.matmul_sum(((dvh_s, h_s.T), (dvl_s, h_s.T)), (C, KH)), sc_s, 0)
             if scaled:  # the barrier lets dh's load overwrite the phase's tiles (see below)
                 plgpu.commit_smem()
-                return dqh, dw
+                return dqh, diag, dw
             # commit_smem is also a warpgroup barrier: past it no warp still reads h_s or the
             # phase's tiles, so dh and phase 2's loads may overwrite them
             x_s[...] = dw.astype(dt)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(x_s, dw_g.at[b, rows, hv, kc])
-            return dqh
+            return dqh, diag
 
         dqh = pl.run_scoped(
             phase1,
@@ -316,8 +323,10 @@ def _dqkw_ksplit_body(
             cp.smem((C, V), dt),  # dv2 lo
         )
         if scaled:  # h's products are done (wgmma waited): dh takes h's tile
-            dqh, dw = dqh
+            dqh, diag, dw = dqh
             stage_state(dh_g, 1, dw)
+        else:
+            dqh, diag = dqh
 
         def phase2(q_s, k_s, g_s, gr_s, gl_s, out_s):
             srcs = (
@@ -339,7 +348,8 @@ def _dqkw_ksplit_body(
                 dq = dq + dec.rows(None, k, x_s, dt_s=dpt_s)
             else:
                 dq = dq + dec.rows(dp_s, k, x_s, lo_s=dpl_s)
-            r1 = dq * q
+            r1 = dq * q  # without the diagonal
+            dq = dq + cp.bcast_rows(diag, (C, KH)) * k
             if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s;
                 # f16: x_s is bf16, q_s is free: q is in registers and the rows product's commits
                 # passed every thread's load)
@@ -352,9 +362,9 @@ def _dqkw_ksplit_body(
             dks = _unstage(cp.matmul(vn_s, h_s.T, (C, KH)), sc_s, 1) * dec.e_last()  # state dk
             last = jnp.sum(dks * k, axis=0)
             dk = dk + dks
-            emit_tile(dk, out_s, dk_g.at[b, rows, hv, kc])
             dG = r1 - dk * k
             dG = dG + jnp.where(dec.row == C - 1, cp.bcast_cols(last, (C, KH)), 0.0)
+            emit_tile(dk + cp.bcast_rows(diag, (C, KH)) * q, out_s, dk_g.at[b, rows, hv, kc])
             emit_tile(dG, out_s, dg_g.at[b, rows, hv, kc])
             plgpu.wait_smem_to_gmem(0)
 
