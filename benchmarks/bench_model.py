@@ -9,9 +9,11 @@ order until ``--budget-s`` is spent; results go to a printed table and ``--json`
     python benchmarks/bench_model.py --preset qwen3_5_0_8b --batch 4 --seq 2048
     python benchmarks/bench_model.py --preset tiny --layers 2 --seq 64 --iters 2   # CPU smoke
 
-Settings: ``<fp8>+<policy>``, fp8 in {bf16, native, te}, policy in {none (no checkpoint), save
-(every layer checkpointed, named tensors saved), offload (the GDN core's residuals offloaded),
-offloadall (every named tensor offloaded), remat (everything recomputed)}.
+Settings: ``<fp8>+<policy>[+overlap]``, fp8 in {bf16, native, te}, policy in {none (no
+checkpoint), save (every layer checkpointed, named tensors saved), offload (the GDN core's
+residuals offloaded), offloadall (every named tensor offloaded), remat (everything recomputed)}.
+Offloading steps are compiled with :func:`gdn_jax.remat.compiler_options` (XLA's GPU
+latency-hiding scheduler off); ``+overlap`` keeps the scheduler.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ sys.path.insert(0, str(ROOT))
 from gdn_jax import fp8, remat  # noqa: E402
 from gdn_jax.models import HybridLM, get_config  # noqa: E402
 
-DEFAULT = "bf16+save,bf16+offload,native+save,native+offload,bf16+none,bf16+remat,te+save"
+DEFAULT = (
+    "bf16+save,bf16+offload,bf16+offloadall,native+save,native+offload,bf16+none,bf16+remat,te+save"
+)
 
 # policy -> (action of the core residuals, action of the layer activations); None: no remat.
 _POLICIES = {
@@ -47,19 +51,27 @@ _POLICIES = {
 }
 
 
-def _policies(name: str, num_layers: int, threshold: int, fraction: float):
+def _spec(name: str) -> dict | None:
     actions = _POLICIES[name]
     if actions is None:
-        return [None] * num_layers
+        return None
     spec = dict.fromkeys(remat.CORE_RESIDUALS, actions[0])
     spec.update(dict.fromkeys(remat.LAYER_ACTIVATIONS, actions[1]))
+    return spec
+
+
+def _policies(spec: dict | None, num_layers: int, threshold: int, fraction: float):
+    if spec is None:
+        return [None] * num_layers
     return remat.layer_policies(
         spec, num_layers, offload_fraction=fraction, offload_threshold=threshold
     )
 
 
 def bench(setting: str, args) -> dict:
-    backend, policy = setting.split("+")
+    backend, policy, *extra = setting.split("+")
+    if extra not in ([], ["overlap"]):
+        raise ValueError(f"{setting=}: expected <fp8>+<policy>[+overlap]")
     config = get_config(args.preset, **({"num_layers": args.layers} if args.layers else {}))
     model = HybridLM(
         config, implementation=args.implementation, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
@@ -68,7 +80,9 @@ def bench(setting: str, args) -> dict:
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adamw(1e-4)
     opt_state = tx.init(params)
-    policies = _policies(policy, config.num_layers, args.offload_threshold, args.offload_fraction)
+    spec = _spec(policy)
+    policies = _policies(spec, config.num_layers, args.offload_threshold, args.offload_fraction)
+    options = remat.compiler_options(spec, overlap_copies=bool(extra))
     tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, 1000)
 
     def loss_fn(params):
@@ -82,7 +96,8 @@ def bench(setting: str, args) -> dict:
         return optax.apply_updates(params, updates), opt_state, loss
 
     t0 = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state).compile()
+    step = jax.jit(step, donate_argnums=(0, 1), compiler_options=options)
+    compiled = step.lower(params, opt_state).compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     hlo = compiled.as_text()
@@ -130,14 +145,14 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     rows = []
     print(f"{jax.devices()[0].device_kind}: {args.preset} B={args.batch} T={args.seq}")
-    head = f"{'setting':16s} {'step ms':>8s} {'dev temp GiB':>12s} {'host temp GiB':>13s}"
+    head = f"{'setting':24s} {'step ms':>8s} {'dev temp GiB':>12s} {'host temp GiB':>13s}"
     print(
         head + f" {'peak GiB':>9s} {'S(5)':>5s} {'f8 ops':>6s} {'f8 GEMMs':>8s} {'compile s':>9s}"
     )
     settings = args.settings.split(",")
     for setting in settings:
         if time.perf_counter() - start > args.budget_s:
-            print(f"{setting:16s} skipped (budget)")
+            print(f"{setting:24s} skipped (budget)")
             continue
         if len(settings) > 1:
             # one process per setting: the device's peak-bytes counter cannot be reset, and
@@ -148,12 +163,12 @@ def main(argv=None) -> int:
                 r = bench(setting, args)
             except fp8.TEUnavailableError as e:
                 r = None
-                print(f"{setting:16s} not run: {str(e)[:100]}")
+                print(f"{setting:24s} not run: {str(e)[:100]}")
         if r is None:
             continue
         rows.append(r)
         print(
-            f"{setting:16s} {r['step_ms']:8.2f} {r['device_temp_gib']:12.3f} "
+            f"{setting:24s} {r['step_ms']:8.2f} {r['device_temp_gib']:12.3f} "
             f"{r['host_temp_gib']:13.3f} {r['peak_in_use_gib']:9.2f} {r['host_copies_S5']:5d} "
             f"{r['fp8_ops']:6d} {r['cublaslt_fp8_gemms']:8d} {r['compile_s']:9.1f}",
             flush=True,
@@ -175,11 +190,11 @@ def _run_child(argv, setting: str) -> dict | None:
         cmd = [sys.executable, __file__, *argv, "--settings", setting, "--json", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode or not out.exists():
-            print(f"{setting:16s} failed (rc {proc.returncode}): {proc.stderr.strip()[-300:]}")
+            print(f"{setting:24s} failed (rc {proc.returncode}): {proc.stderr.strip()[-300:]}")
             return None
         rows = json.loads(out.read_text())["rows"]
         if not rows:
-            print(f"{setting:16s} " + proc.stdout.strip().splitlines()[-1][17:])
+            print(f"{setting:24s} " + proc.stdout.strip().splitlines()[-1][25:])
         return rows[0] if rows else None
 
 

@@ -108,6 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--offload-threshold", type=int, default=0, help="only tensors >= N elements")
     p.add_argument("--offload-fraction", type=float, default=1.0, help="share of layers (0-1)")
+    p.add_argument(
+        "--offload-overlap",
+        action="store_true",
+        help="keep XLA's GPU latency-hiding scheduler with --offload (faster; device memory may "
+        "rise: gdn_jax.remat.compiler_options)",
+    )
     return p.parse_args(argv)
 
 
@@ -209,10 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
     train_batch, eval_batch, vocab, task_name, tokens_per_step = make_task(args)
     config = make_config(args, vocab)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
-    policies = None
+    policies = spec = None
     if args.remat != "none" or args.offload:
+        spec = remat.spec_from_flags("save" if args.remat == "none" else args.remat, args.offload)
         policies = remat.layer_policies(
-            remat.spec_from_flags("save" if args.remat == "none" else args.remat, args.offload),
+            spec,
             config.num_layers,
             offload_fraction=args.offload_fraction,
             offload_threshold=args.offload_threshold,
@@ -251,7 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
         x = model.hidden(batch["inputs"])
         return model.loss(x, batch["targets"], mask=batch["mask"])
 
-    @jax.jit(donate_argnums=(0, 1))
+    options = remat.compiler_options(spec, overlap_copies=args.offload_overlap)
+
+    @jax.jit(donate_argnums=(0, 1), compiler_options=options)
     def train_step(params, opt_state, step, meta):
         batch = constrain(train_batch(step))
         grad_fn = jax.value_and_grad(forward, argnums=(0, 2), has_aux=True)

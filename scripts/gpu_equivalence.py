@@ -113,11 +113,15 @@ def make_step(s: Setup, policies, *, scan: bool = True):
     return step
 
 
-def policies_for(variant: str, num_layers: int, **kw):
+def spec_for(variant: str) -> dict:
     core, layer = _ACTION[variant]
     spec = dict.fromkeys(remat.CORE_RESIDUALS, core)
     spec.update(dict.fromkeys(remat.LAYER_ACTIVATIONS, layer))
-    return remat.layer_policies(spec, num_layers, **kw)
+    return spec
+
+
+def policies_for(variant: str, num_layers: int, **kw):
+    return remat.layer_policies(spec_for(variant), num_layers, **kw)
 
 
 def run_variant(
@@ -130,13 +134,16 @@ def run_variant(
     **policy_kw,
 ) -> dict:
     """``steps`` optimizer steps; returns losses [steps, MICRO], per-step grads, final params
-    and optimizer state, and the wall time (compile included). ``hlo_path``: also write the
-    optimised HLO of the jitted step there (to diff the programs of two variants)."""
+    and optimizer state, and the wall time (compile included). The jitted step is compiled with
+    the variant's :func:`gdn_jax.remat.compiler_options` (as a user's step would be) plus
+    ``compiler_options``. ``hlo_path``: also write the optimised HLO of the jitted step there
+    (to diff the programs of two variants)."""
     jit = variant != "nojit"
     step = make_step(s, policies_for(variant, s.num_layers, **policy_kw), scan=jit)
     params, opt_state = s.params, s.tx.init(s.params)
     if jit:
-        step = jax.jit(step, compiler_options=compiler_options)
+        options = {**remat.compiler_options(spec_for(variant)), **(compiler_options or {})}
+        step = jax.jit(step, compiler_options=options)
         if hlo_path:
             compiled = step.lower(params, opt_state, s.data[0]).compile()
             Path(hlo_path).write_text(compiled.as_text())

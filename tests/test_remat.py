@@ -127,6 +127,30 @@ def test_core_residuals_offloaded_and_results_unchanged():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_compiler_options_serialise_offload_copies():
+    """A step that offloads is compiled without XLA's GPU latency-hiding scheduler (which brought
+    offloaded tensors back early, raising device memory on the H200); one that does not offload
+    keeps the defaults. The option is one this XLA knows (a misspelt one fails to compile) and
+    changes no result."""
+    offload = dict.fromkeys(remat.CORE_RESIDUALS, "offload")
+    opts = remat.compiler_options(offload)
+    assert opts == {"xla_gpu_enable_latency_hiding_scheduler": False}
+    assert remat.compiler_options(offload, overlap_copies=True) == {}
+    assert remat.compiler_options(dict.fromkeys(remat.CORE_RESIDUALS, "save")) == {}
+    assert remat.compiler_options(None) == {}
+    args = _core_inputs()
+    outs = []
+    for options in (None, opts):
+        p = remat.remat_policy(offload)
+        grad = jax.grad(jax.checkpoint(_core_loss, policy=p), argnums=(0, 1, 2, 3, 4))
+        outs.append(jax.jit(grad, compiler_options=options)(*args))
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(Exception, match="No such compile option"):
+        misspelt = {"xla_gpu_enable_latency_hiding_schedulr": False}
+        jax.jit(lambda x: x + 1, compiler_options=misspelt)(1.0)
+
+
 def test_cuda_lowering_has_pinned_host():
     args = _core_inputs()
     pol = remat.remat_policy({remat.GDN_CHUNK_STATES: "offload", remat.GDN_A: "save"})

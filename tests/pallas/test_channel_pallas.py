@@ -18,7 +18,6 @@ from channel_cases import NAMES, channel_case, check_2x, pallas_op
 from gdn_cases import RECURRENT, positional, run_interpreted
 
 import gdn_jax
-from gdn_jax.ops import _channel_pallas as channel_module
 from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS, channel_pallas
 from gdn_jax.testing import random_inputs, rel_rms
 from pallas_kernels import _compat as pk
@@ -77,9 +76,7 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, g_val):
      ("kda", 64, 128, 2, "bfloat16"), ("kda", 128, 128, 4, "float16"),
      ("gdn2", 128, 128, 4, "float16"), ("gdn2", 64, 64, 2, "float16")],
 )  # fmt: skip
-def test_lowers_for_cuda(variant, K, V, HV, dtype, monkeypatch):
-    # the lowering is what is checked here, before f16 has run on a GPU
-    monkeypatch.setattr(channel_module, "F16_GPU_VALIDATED", True)
+def test_lowers_for_cuda(variant, K, V, HV, dtype):
     B, T, H = 1, 200, 2
     S, bf, f = jax.ShapeDtypeStruct, jnp.dtype(dtype), jnp.float32
     gates = (S((B, T, HV, K), f), S((B, T, HV, K), f), S((B, T, HV, V), f))
@@ -142,13 +139,6 @@ def test_not_implemented_without_gpu():
         pytest.skip("on a Hopper GPU the kernels run")
     with pytest.raises(NotImplementedError):
         channel_pallas(*_direct_args(), chunk_size=64, **_KW)
-
-
-def test_f16_waits_for_gpu_validation():
-    """Until the f16 kernels have passed their GPU tests, f16 runs them only under the
-    interpreter; on a GPU the op refuses (and the selector falls back to xla)."""
-    with pk.use_mode("gpu"), pytest.raises(NotImplementedError, match="not yet run on a GPU"):
-        channel_pallas(*_direct_args(jnp.float16), chunk_size=64, **_KW)
 
 
 def test_f16_k_ne_v_falls_back_to_xla():
@@ -215,9 +205,8 @@ def test_gpu_k_ne_v(variant, K, V):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gdn2", "kda"])
 @pytest.mark.parametrize("K", [64, 128])
-def test_gpu_f16_matches_reference(variant, K, monkeypatch):
+def test_gpu_f16_matches_reference(variant, K):
     """f16 io at a realistic shape, forward and every gradient (2x rule against f16)."""
-    monkeypatch.setattr(channel_module, "F16_GPU_VALIDATED", True)
     x, cu, cts = channel_case(11, variant, 2, 1000, 4, 8, K, K, None)
     check_2x(variant, pallas_op(variant), x, cu, cts, jnp.float16)
 
@@ -225,8 +214,7 @@ def test_gpu_f16_matches_reference(variant, K, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gdn2", "kda"])
 @pytest.mark.parametrize("g_val", [0.0, -5.0])
-def test_gpu_f16_extreme_gates(variant, g_val, monkeypatch):
-    monkeypatch.setattr(channel_module, "F16_GPU_VALIDATED", True)
+def test_gpu_f16_extreme_gates(variant, g_val):
     x, cu, cts = channel_case(12, variant, 1, 2048, 4, 8, 128, 128)
     x["g"] = jnp.full_like(x["g"], g_val)
     got = check_2x(variant, pallas_op(variant), x, cu, cts, jnp.float16)
