@@ -73,3 +73,17 @@ def test_mesh_flag_matches_the_unsharded_run(train, tmp_path):
     a = [h["loss"] for h in one["history"]]
     b = [h["loss"] for h in mesh["history"]]
     np.testing.assert_allclose(b, a, rtol=1e-5)
+
+
+def test_remat_offload_fp8_flags(train, tmp_path):
+    """--remat save --offload all (every named tensor to pinned host; the step compiled with
+    gdn_jax.remat.compiler_options) trains bit for bit like --remat save, with native FP8
+    projections too (the CPU drops the host copies, the policies and options still apply)."""
+    common = TINY + ["--steps=3", "--log-every=1", "--fp8=native", "--remat=save"]
+    saved = train(common + [f"--out={tmp_path / 'save'}"])
+    offloaded = train(
+        common + ["--offload=all", "--offload-fraction=0.5", f"--out={tmp_path / 'offload'}"]
+    )
+    a = [h["loss"] for h in saved["history"]]
+    b = [h["loss"] for h in offloaded["history"]]
+    assert len(a) == 3 and a == b, (a, b)
