@@ -123,7 +123,7 @@ def intra_config(
     """
     split = K == V == 128 and (store_a or not cfg.scalar_beta)
     # f16: the decay-factored operands are bf16 hi/lo pairs, which only the split form has SMEM for
-    split = split or (f16 and K == V)
+    split = split or f16
     return ChannelIntraConfig(scalar_beta=cfg.scalar_beta, store_a=store_a, split=split)
 
 
@@ -212,9 +212,6 @@ def _unsupported(q, v, chunk_size) -> str | None:
         return f"{q.dtype=}: the Pallas kernels take bf16 or f16 (f32 runs on 'xla')"
     if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
         return f"{q.shape=} {v.shape=}: the Pallas kernels need K, V in {{64, 128}}"
-    if q.dtype == jnp.float16 and q.shape[-1] != v.shape[-1]:
-        # f16 runs the split intra form (room for its bf16 hi/lo operands), which needs K == V
-        return f"{q.shape=} {v.shape=}: f16 needs K == V in the Pallas kernels"
     mode = pk.execution_mode()
     if chunk_size != CHUNK:
         return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"

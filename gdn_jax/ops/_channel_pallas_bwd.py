@@ -54,8 +54,7 @@ def channel_backward_pallas(
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
 
     Args:
-      q, k: [N, T, H, K] io dtype (bf16, or f16 with K == V); v: [N, T, HV, V] io dtype;
-        K, V in {64, 128}.
+      q, k: [N, T, H, K] io dtype (bf16 or f16); v: [N, T, HV, V] io dtype; K, V in {64, 128}.
       G: [N, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [N, T, HV, K] f32 erase gate; KDA: β [N, T, HV] f32 (then ``w`` is None).
       w: GDN2: [N, T, HV, V] f32 write gate; KDA: None.
@@ -83,10 +82,13 @@ def channel_backward_pallas(
     nt = T // CHUNK
     dt = q.dtype
     scalar = w is None
+    f16 = dt == jnp.float16
     # at K = 64 the one-CTA bf16 kernels already have [C, 64] tiles; f16 dq/dk/dw then runs the
-    # split kernel's phased body on one CTA (two CTAs per SM) instead of a one-CTA form at 144 KB
-    wy_split = k_split and K == v.shape[-1] == 128
-    dqkw_split = wy_split or (k_split and dt == jnp.float16 and K == 64)
+    # split kernel's phased body on one CTA (two CTAs per SM) instead of a one-CTA form at 144 KB.
+    # At K = 128 f16 needs the K-split forms at either V (the unsplit ones have no SMEM for its
+    # staging tiles); bf16 splits at K = V = 128 only (V = 64 left as measured, unsplit)
+    wy_split = k_split and K == 128 and (v.shape[-1] == 128 or f16)
+    dqkw_split = wy_split or (k_split and f16 and K == 64)
     do = do.astype(dt)
     dht = dht.astype(f32)
     gr, gl = reference_rows(G)

@@ -304,8 +304,9 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
      dk_g, dv_g, dg_g, dbe_g, db_g, dwg_g) = _wy_refs(refs, scalar)  # fmt: skip
     C, H2 = CHUNK, HALF
     c, hv, kh, b, hk, rows = pair_chunk_coords(group, C)
-    own = pl.ds(kh * H2, H2)  # this CTA's K-half (and V-half) of the columns
+    own = pl.ds(kh * H2, H2)  # this CTA's K-half (and V-half at V = 128) of the columns
     other = pl.ds((1 - kh) * H2, H2)
+    V = v_g.shape[-1]
     dt = k_g.dtype
     scaled = dt == jnp.float16  # f16 io: the decayed products in bf16 hi/lo (bwd_decay)
     odt = operand_dtype(dt)
@@ -325,8 +326,10 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
             head, SMEM tile); refs the variant lacks (None: KDA's b, w_gate) are skipped."""
             return [(g.at[b, rows, h, cols], s_) for g, h, s_ in loads if g is not None]
 
-        def v_pass(cols, is_own: bool, dA):
-            """dA + du[:, cols] (w_gate ⊙ v)[:, cols]ᵀ; own half: also dv, dw_gate (dβ part)."""
+        def v_pass(cols, is_own: bool, dA, lead=None):
+            """dA + du[:, cols] (w_gate ⊙ v)[:, cols]ᵀ; own half: also dv, dw_gate (dβ part),
+            written (and counted in dβ) only where ``lead`` holds (V = 64: both CTAs form the
+            whole V range, the first K-half's writes it; None: always)."""
 
             def scoped(duh_s, dul_s, v_s, wg_s):
                 bars.load(
@@ -349,10 +352,19 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
                 dbe = None
                 if scalar:
                     dbe = jnp.sum(dwg, axis=1)
-                else:  # the write-gate tile is in registers: it stages dw_gate
-                    emit_tile(dwg, wg_s, dwg_g.at[b, rows, hv, cols])
-                # dv leaves in the io dtype through the operand scratch (du_mm has read it)
-                emit_tile((dwv * wgt).astype(dt), x_s, dv_g.at[b, rows, hv, cols])
+                    if lead is not None:  # (a scalar factor: no implicit broadcast in where)
+                        dbe = dbe * jnp.where(lead, 1.0, 0.0)
+
+                def emit():
+                    if not scalar:  # the write-gate tile is in registers: it stages dw_gate
+                        emit_tile(dwg, wg_s, dwg_g.at[b, rows, hv, cols])
+                    # dv leaves in the io dtype through the operand scratch (du_mm has read it)
+                    emit_tile((dwv * wgt).astype(dt), x_s, dv_g.at[b, rows, hv, cols])
+
+                if lead is None:
+                    emit()
+                else:
+                    pl.when(lead)(emit)
                 return dA_out, dbe
 
             return pl.run_scoped(
@@ -456,12 +468,18 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
                 cp.smem((C, H2) if is_own else (8,), f32),  # f32 output staging
             )
 
-        dA, _ = v_pass(other, False, None)
-        dA, dbe = v_pass(own, True, dA)
+        if V == 2 * H2:  # each CTA writes one V-half of dv, dw_gate
+            dA, _ = v_pass(other, False, None)
+            dA, dbe = v_pass(own, True, dA)
+        else:  # V = 64: one pass over all of V in both CTAs; the first K-half's writes dv, dw_gate
+            dA, dbe = v_pass(pl.ds(0, H2), True, None, lead=kh == 0)
         dA = k_pass(other, False, dA, None)
         k_pass(own, True, dA, dbe)
 
-    n_bar = 1 + (1 if scalar else 0) + 2 * (3 if scalar else 4) + (3 if scalar else 4) * 2 + 2
+    # one barrier per load: A, β (KDA), per V pass du hi/lo, v (and w_gate), per K pass k, G, dw
+    # (and b), and the own K-half's reference rows and G_last
+    n_bar = 1 + (1 if scalar else 0) + (V // H2) * (3 if scalar else 4)
+    n_bar += (3 if scalar else 4) * 2 + 2
     pl.run_scoped(
         outer,
         slice_smem((C, C), dt, sliced),  # A
@@ -504,9 +522,9 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
         ins = (k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo)
 
     if config.k_split:
-        if K != 2 * HALF or V != K:
+        if K != 2 * HALF or V not in (HALF, 2 * HALF):
             raise NotImplementedError(
-                f"{k.shape=} {v.shape=}: the k_split channel_bwd_wy needs K == V == 128"
+                f"{k.shape=} {v.shape=}: the k_split channel_bwd_wy needs K = 128, V ∈ {{64, 128}}"
             )
         if config.scalar_beta:  # a partial dβ per (value head, K-half): row 2 hv + kh
             out_type[3] = S((B, 2 * HV, T), f32)

@@ -309,7 +309,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
      qg_g, kg_g, w_g, u_g, aqk_g, a_g) = _intra_refs(refs, cfg)  # fmt: skip
     C, H2 = CHUNK, HALF
     c, hv, task, b, hk, rows = pair_chunk_coords(group, C)
-    npass = k_g.shape[-1] // H2
+    kpass, vpass = k_g.shape[-1] // H2, v_g.shape[-1] // H2  # 64-column passes over K and V
     dt = k_g.dtype
     # f16 io: the factored L / Aqk operands as bf16 hi/lo pairs in their own pass-scoped tiles
     # (the f16 staging tiles st_s keep the other roles: outputs, Aqk)
@@ -375,7 +375,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
             bars = Bars(bar)
             # v is needed only for u at the end: its load overlaps L and the inverse
             v_ids = bars.load(
-                [(v_g.at[b, rows, hv, cols(p)], v_s[p]) for p in range(npass)], wait=False
+                [(v_g.at[b, rows, hv, cols(p)], v_s[p]) for p in range(vpass)], wait=False
             )
             if scalar:
                 bars.load([(be_g.at[b, hv, rows], be_s)])
@@ -407,7 +407,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
 
             L = accumulate_passes(
                 l_pass,
-                npass,
+                kpass,
                 tile(),  # k
                 tile(f32),  # G
                 cp.smem((NSUB, H2), f32, swizzled=False),  # reference rows
@@ -425,7 +425,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 wg_ids = []
                 if not scalar:
                     wg_ids = bars.load(
-                        [(wg_g.at[b, rows, hv, cols(p)], wg_s[p]) for p in range(npass)],
+                        [(wg_g.at[b, rows, hv, cols(p)], wg_s[p]) for p in range(vpass)],
                         wait=False,
                     )
                 a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
@@ -445,10 +445,10 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(s, dst)
 
-                for p in range(npass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
+                for p in range(kpass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
                     put(cp.matmul(oy_s, wop_s[p], (C, H2)), w_g.at[b, rows, hv, cols(p)])
                 bars.wait(v_ids + wg_ids)
-                for p in range(npass):  # u = A (w_gate ⊙ v), one V-half at a time
+                for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
                     if not scalar:  # in place: each thread rewrites the elements it read
                         vt = cp.load_tile(v_s[p]).astype(f32)
                         v_s[p][...] = (cp.load_tile(wg_s[p]) * vt).astype(dt)
@@ -458,7 +458,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
 
             pl.run_scoped(
                 tail,
-                cp.smem((8,), f32) if scalar else tuple(tile(f32) for _ in range(npass)),
+                cp.smem((8,), f32) if scalar else tuple(tile(f32) for _ in range(vpass)),
                 *(late_tiles() if hilo else ()),
             )
 
@@ -470,10 +470,13 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
             )
 
         x_spec, oy_spec, st_spec = late_tiles()
-        wop_spec = tuple(tile() for _ in range(npass))  # w's right operand, per K-half
-        v_spec = tuple(tile() for _ in range(npass))  # v (GDN2: then w_gate ⊙ v), per V-half
+        wop_spec = tuple(tile() for _ in range(kpass))  # w's right operand, per K-half
+        v_spec = tuple(tile() for _ in range(vpass))  # v (GDN2: then w_gate ⊙ v), per V-half
         be_spec = cp.smem((C,) if scalar else (8,), f32)  # β (KDA)
-        bar_spec = plgpu.Barrier(num_barriers=4 * npass + 1 if scalar else 6 * npass)
+        # one barrier per load: v and w_gate per V-half, β, and per K-half pass k, G, the
+        # reference rows (and b)
+        n_bar = vpass + 1 + 3 * kpass if scalar else 2 * vpass + 4 * kpass
+        bar_spec = plgpu.Barrier(num_barriers=n_bar)
         if hilo:
             # f16 io: the tiles used only after the L passes (inverse scratch, output staging)
             # live in the tail's scope, the alternative to the passes' bf16 hi/lo tiles, so the
@@ -528,7 +531,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
 
             P = accumulate_passes(
                 p_pass,
-                npass,
+                kpass,
                 tile(),  # q
                 tile(),  # k
                 *decay_smem(C, H2),  # G, reference rows, G_last
@@ -545,7 +548,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
             outer,
             (tile(), tile()),  # row / column operands, then the Aqk staging
             (tile(), tile()),  # qg, kg staging
-            plgpu.Barrier(num_barriers=5 * npass),
+            plgpu.Barrier(num_barriers=5 * kpass),
         )
 
     pl.when(task == 0)(wy_task)
@@ -612,9 +615,9 @@ def channel_intra(
         out_type.append(jax.ShapeDtypeStruct((B, T, HV, CHUNK), dt))
 
     if config.split:
-        if K % HALF or K > 2 * HALF or V != K:
+        if K not in (HALF, 2 * HALF) or V not in (HALF, 2 * HALF):
             raise NotImplementedError(
-                f"{k.shape=}: the split channel_intra needs K == V ∈ {{64, 128}}"
+                f"{k.shape=} {v.shape=}: the split channel_intra needs K, V ∈ {{64, 128}}"
             )
 
         def split_body(*refs):
@@ -630,7 +633,7 @@ def channel_intra(
                 "the split channel_intra does (the unsplit kernel already needs 224 320 B of "
                 "shared memory per CTA at K = 128 for bf16; bf16 hi/lo tiles of its three factored "
                 "[64, K] operands, 96 KiB at K = 128, do not fit): "
-                "use ChannelIntraConfig(split=True) with K == V ∈ {64, 128}"
+                "use ChannelIntraConfig(split=True)"
             )
 
         def body(*refs):

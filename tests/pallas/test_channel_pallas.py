@@ -22,8 +22,11 @@ from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS, channel_pallas
 from gdn_jax.testing import random_inputs, rel_rms
 from pallas_kernels import _compat as pk
 
-# every forward kernel must appear as a Mosaic GPU custom call in the lowered fwd+bwd
-KERNELS = ("chan_intra", "chan_chunk_fwd")
+# every kernel, forward and backward, must appear as a Mosaic GPU custom call in the lowered
+# fwd+bwd
+KERNELS = (
+    "chan_intra", "chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy"
+)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -47,17 +50,23 @@ def test_interpret_forward_and_grads(variant, B, T, H, HV, cu, K, V):
 
 
 @pytest.mark.parametrize(
-    "variant,T,HV,K,g_val",
-    [("gdn2", 100, 2, 64, None), ("kda", 100, 1, 64, None), ("kda", 128, 1, 128, -5.0),
-     ("gdn2", 128, 1, 64, -5.0), ("gdn2", 100, 1, 64, 0.0)],
+    "variant,T,HV,K,V,g_val",
+    [("gdn2", 100, 2, 64, 64, None), ("kda", 100, 1, 64, 64, None),
+     ("kda", 128, 1, 128, 128, -5.0), ("gdn2", 128, 1, 64, 64, -5.0),
+     ("gdn2", 100, 1, 64, 64, 0.0),
+     # K != V: the split intra form with separate K and V passes; at K = 128 the K-split
+     # backward forms with V = 64, at K = 64 the phased dq/dk/dw body and the unsplit WY kernel
+     ("gdn2", 128, 1, 64, 128, -5.0), ("kda", 128, 1, 128, 64, -5.0),
+     ("kda", 100, 2, 64, 128, 0.0), ("gdn2", 100, 1, 128, 64, 0.0),
+     ("gdn2", 100, 2, 128, 64, None)],
 )  # fmt: skip
-def test_interpret_f16_forward_and_grads(variant, T, HV, K, g_val):
+def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
     """f16 io: the decay-factored operands as bf16 hi/lo pairs and the state scaled into f16 keep
     the 2x rule against the recurrence run in f16, also with log-decay -5 per token in every
     channel (factors up to e^{40}, beyond f16) and with no decay. At -5 over two full chunks dg
     is ~100x smaller than dP's diagonal terms, whose row and column halves must cancel exactly
     (the gate's 2x rule failed, 4x, while bwd_dqkw still put them in its decayed products)."""
-    x, cu, cts = channel_case(2, variant, 1, T, 1, HV, K, K)
+    x, cu, cts = channel_case(2, variant, 1, T, 1, HV, K, V)
     if g_val is not None:
         x["g"] = jnp.full_like(x["g"], g_val)
     run_interpreted(
@@ -74,7 +83,9 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, g_val):
     [("gdn2", 128, 128, 4, "bfloat16"), ("kda", 128, 128, 4, "bfloat16"),
      ("gdn2", 64, 64, 2, "bfloat16"), ("gdn2", 128, 64, 2, "bfloat16"),
      ("kda", 64, 128, 2, "bfloat16"), ("kda", 128, 128, 4, "float16"),
-     ("gdn2", 128, 128, 4, "float16"), ("gdn2", 64, 64, 2, "float16")],
+     ("gdn2", 128, 128, 4, "float16"), ("gdn2", 64, 64, 2, "float16"),
+     ("gdn2", 64, 128, 2, "float16"), ("kda", 64, 128, 2, "float16"),
+     ("gdn2", 128, 64, 2, "float16"), ("kda", 128, 64, 4, "float16")],
 )  # fmt: skip
 def test_lowers_for_cuda(variant, K, V, HV, dtype):
     B, T, H = 1, 200, 2
@@ -123,7 +134,6 @@ _KW = dict(
     "dtype,K,V,chunk",
     [
         (jnp.float32, 64, 64, 64),
-        (jnp.float16, 64, 128, 64),
         (jnp.bfloat16, 32, 32, 64),
         (jnp.bfloat16, 64, 32, 64),
         (jnp.bfloat16, 64, 64, 32),
@@ -141,11 +151,12 @@ def test_not_implemented_without_gpu():
         channel_pallas(*_direct_args(), chunk_size=64, **_KW)
 
 
-def test_f16_k_ne_v_falls_back_to_xla():
-    x = random_inputs(3, B=1, T=64, H=1, HV=1, K=64, V=128, variant="kda")
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 64)])
+def test_f16_k_ne_v_runs_pallas(K, V):
+    """f16 with K != V is served by the kernels (no fall-back to "xla")."""
+    x = random_inputs(3, B=1, T=64, H=1, HV=1, K=K, V=V, variant="kda")
     args = [x[n].astype(jnp.float16) for n in ("q", "k", "v")] + [x["g"], x["beta"]]
-    with pk.use_mode("interpret"):
-        o, _ = gdn_jax.kda(*args, implementation=("pallas", "xla"), use_qk_l2norm=True)
+    o, _ = run_interpreted(lambda: gdn_jax.kda(*args, implementation="pallas", use_qk_l2norm=True))
     ref, _ = RECURRENT["kda"](*args, use_qk_l2norm=True)
     assert o.dtype == jnp.float16 and rel_rms(o, ref) < 1e-2
 
@@ -200,6 +211,13 @@ def test_gpu_matches_reference(variant, B, T, H, HV, cu):
 def test_gpu_k_ne_v(variant, K, V):
     x, cu, cts = channel_case(9, variant, 2, 2048, 4, 8, K, V, None)
     check_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,K,V", [("gdn2", 64, 128), ("kda", 128, 64)])
+def test_gpu_f16_k_ne_v(variant, K, V):
+    x, cu, cts = channel_case(9, variant, 2, 2048, 4, 8, K, V, None)
+    check_2x(variant, pallas_op(variant), x, cu, cts, jnp.float16)
 
 
 @pytest.mark.gpu
