@@ -56,18 +56,18 @@ def _hi_lo(x):
     return hi, (x - hi.astype(f32)).astype(f16)
 
 
-def f16_inputs(seed, variant, T, H, HV, K, g_val, *, wide_state=True, big_da=False):
-    """Kernel inputs in f16 io (V = K, one sequence): q, k, v, do, v_new, dv2 hi/lo, A, dw f16;
-    G (chunk-local cumsum of a constant log-decay ``g_val``, or uniform in [−1, 0] for None),
-    gates and the states h, dh f32. ``wide_state``: the state rows are scaled by 2^e, e uniform
-    in [−12, 17] (f16 would overflow and flush them); else N(0, 1) states. ``big_da``: v × 16
-    and dv2, dw × 2^8, so that bwd_wy's f32 gradient dA exceeds f16's range (its outputs stay
-    inside).
+def f16_inputs(seed, variant, T, H, HV, K, g_val, *, wide_state=True, big_da=False, V=None):
+    """Kernel inputs in f16 io (V = K unless given, one sequence): q, k, v, do, v_new, dv2 hi/lo,
+    A, dw f16; G (chunk-local cumsum of a constant log-decay ``g_val``, or uniform in [−1, 0] for
+    None), gates and the states h, dh f32. ``wide_state``: the state rows are scaled by 2^e, e
+    uniform in [−12, 17] (f16 would overflow and flush them); else N(0, 1) states. ``big_da``:
+    v × 16 and dv2, dw × 2^8, so that bwd_wy's f32 gradient dA exceeds f16's range (its outputs
+    stay inside).
 
     Returns the dict :func:`_kernel_refs` reads (its bwd_dh part gets zero placeholders) and
     ``out`` with dh, dv2 hi/lo and dw."""
     r = np.random.default_rng(seed)
-    N, V, nt = 1, K, T // 64
+    N, V, nt = 1, K if V is None else V, T // 64
     nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
     arr = lambda a, dt=f16: jnp.asarray(a, dt)
     q = arr(nrm(r.standard_normal((N, T, H, K))))
@@ -218,12 +218,14 @@ def test_interpret_dqkw_k64(HV, g_val, sliced, wide, k_split):
 
 
 @pytest.mark.parametrize(
-    "HV,g_val,sliced,wide", [(1, -5.0, False, False), (2, 0.0, True, True), (2, -5.0, True, True)]
-)
-def test_interpret_dqkw_ksplit_k128(HV, g_val, sliced, wide):
-    """K = V = 128: the K-split form (two CTAs per chunk and value head; f16 runs the sliced
-    form's "rows" product unsliced)."""
-    x, out = f16_inputs(2, "gdn2", 64, 1, HV, 128, g_val, wide_state=wide)
+    "HV,g_val,sliced,wide,V",
+    [(1, -5.0, False, False, 128), (2, 0.0, True, True, 128), (2, -5.0, True, True, 128),
+     (1, -5.0, False, True, 64), (2, 0.0, True, False, 64)],
+)  # fmt: skip
+def test_interpret_dqkw_ksplit_k128(HV, g_val, sliced, wide, V):
+    """K = 128: the K-split form (two CTAs per chunk and value head, each with all V columns;
+    f16 runs the sliced form's "rows" product unsliced)."""
+    x, out = f16_inputs(2, "gdn2", 64, 1, HV, 128, g_val, wide_state=wide, V=V)
     run_interpreted(lambda: check_dqkw(x, out, sliced=sliced, k_split=True, jit=False))
 
 
@@ -236,10 +238,14 @@ def test_interpret_wy_k64(variant, HV, g_val, sliced):
 
 
 @pytest.mark.parametrize(
-    "variant,HV,g_val,sliced", [("gdn2", 1, -5.0, False), ("kda", 2, 0.0, True)]
-)
-def test_interpret_wy_ksplit_k128(variant, HV, g_val, sliced):
-    x, out = f16_inputs(4, variant, 64, 1, HV, 128, g_val)
+    "variant,HV,g_val,sliced,V",
+    [("gdn2", 1, -5.0, False, 128), ("kda", 2, 0.0, True, 128), ("gdn2", 2, 0.0, True, 64),
+     ("kda", 1, -5.0, False, 64)],
+)  # fmt: skip
+def test_interpret_wy_ksplit_k128(variant, HV, g_val, sliced, V):
+    """K = 128: the K-split form; at V = 64 both CTAs form dA's V part whole and the first
+    K-half's writes dv, dw_gate (KDA: its partial dβ alone holds the V part)."""
+    x, out = f16_inputs(4, variant, 64, 1, HV, 128, g_val, V=V)
     run_interpreted(lambda: check_wy(x, out, sliced=sliced, k_split=True, jit=False))
 
 
@@ -323,11 +329,12 @@ def _lowers(f, args, limit, name):
 
 
 @pytest.mark.parametrize("sliced", [False, True])
-@pytest.mark.parametrize("H,HV", [(2, 2), (2, 4)])
-def test_dqkw_ksplit_lowers(H, HV, sliced):
-    """K = V = 128, k_split: two CTAs per SM (Mosaic's count: 111 720 B per CTA)."""
+@pytest.mark.parametrize("H,HV,V", [(2, 2, 128), (2, 4, 128), (2, 4, 64)])
+def test_dqkw_ksplit_lowers(H, HV, V, sliced):
+    """K = 128, k_split: two CTAs per SM (Mosaic's count: 111 720 B per CTA at V = 128,
+    95 336 B at V = 64)."""
     f = functools.partial(channel_bwd_dqkw, scale=0.125, sliced=sliced, k_split=True)
-    _lowers(f, _dqkw_shapes(1, 192, H, HV, 128, 128), SMEM_TWO_CTAS, "chan_bwd_dqkw")
+    _lowers(f, _dqkw_shapes(1, 192, H, HV, 128, V), SMEM_TWO_CTAS, "chan_bwd_dqkw")
 
 
 @pytest.mark.parametrize("sliced", [False, True])
@@ -359,12 +366,14 @@ def _wy_shapes(B, T, H, HV, K, V, scalar):
 
 
 @pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("V", [128, 64])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_wy_ksplit_lowers(variant, sliced):
-    """K = V = 128, k_split: two CTAs per SM."""
+def test_wy_ksplit_lowers(variant, V, sliced):
+    """K = 128, k_split: two CTAs per SM (Mosaic's count, KDA / GDN2: 97 410 / 110 740 B at
+    V = 128, 97 384 / 110 712 B at V = 64)."""
     cfg = ChannelBwdWyConfig(scalar_beta=variant == "kda", sliced=sliced, k_split=True)
     f = lambda *a: channel_bwd_wy(*a, cfg)
-    args = _wy_shapes(1, 128, 2, 4, 128, 128, variant == "kda")
+    args = _wy_shapes(1, 128, 2, 4, 128, V, variant == "kda")
     _lowers(f, args, SMEM_TWO_CTAS, "chan_bwd_wy")
 
 

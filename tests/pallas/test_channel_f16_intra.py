@@ -42,11 +42,15 @@ F16_MAX = 65504.0
 TOL = 1e-3
 
 
-def _f16_inputs(seed, variant, N, T, H, HV, K, g_val=None):
+def _f16_inputs(seed, variant, N, T, H, HV, K, g_val=None, V=None):
     """channel_intra's inputs (q, k, v f16; G, gates f32) from the backward tests' core case: unit
     q/k rows, per-channel log-decays in [−1, 0] (or all ``g_val``), gates in [0, 1]; KDA's β as
-    [N, HV, T]."""
+    [N, HV, T]. ``V`` (default K): v [N, T, HV, V] N(0, 1) and GDN2's write gate in [0, 1]."""
     _, (q, k, v, G, b, w, _), _ = core_case(seed, variant, N, T, H, HV, K, g_val=g_val)
+    if V is not None and V != K:
+        r = np.random.default_rng(seed + 1)
+        v = jnp.asarray(r.standard_normal((N, T, HV, V)), f32)
+        w = None if w is None else jnp.asarray(r.uniform(0, 1, (N, T, HV, V)), f32)
     b = b.transpose(0, 2, 1) if w is None else b
     return q.astype(f16), k.astype(f16), v.astype(f16), G, b, w
 
@@ -99,6 +103,13 @@ def test_interpret_f16_k64(variant, HV, g_val):
 def test_interpret_f16_k128():
     """Two 64-column passes (K = V = 128) at −5 per token."""
     args = _f16_inputs(5, "gdn2", 1, 64, 1, 1, 128, g_val=-5.0)
+    run_interpreted(lambda: check_f16(args))
+
+
+@pytest.mark.parametrize("variant,K,V", [("gdn2", 64, 128), ("kda", 128, 64)])
+def test_interpret_f16_k_ne_v(variant, K, V):
+    """K != V: the K-contraction in K/64 passes, w in K-halves, u in V-halves, at −5 per token."""
+    args = _f16_inputs(7, variant, 1, 64, 1, 1, K, g_val=-5.0, V=V)
     run_interpreted(lambda: check_f16(args))
 
 
@@ -183,21 +194,22 @@ def test_factored_operands_need_hilo():
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, the SMEM budget)
 
 
-def _lower(cfg, dt, K):
+def _lower(cfg, dt, K, V):
     f = lambda *a: channel_intra(*a, cfg)  # noqa: E731
-    args = _shapes(1, 192, 2, 4, K, dt, cfg.scalar_beta)
+    args = _shapes(1, 192, 2, 4, K, dt, cfg.scalar_beta, V)
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_f16_split_lowers_for_cuda(variant, K):
+def test_f16_split_lowers_for_cuda(variant, K, V):
     """Lowers with the bf16 hi/lo operand tiles in at most half an SM's shared memory per CTA
-    (two CTAs per SM; Mosaic's count for f16 io: 100 504 B KDA / 108 720 B GDN2 at K = V = 128,
-    100 392 B / 100 440 B at K = 64)."""
+    (two CTAs per SM; Mosaic's count for f16 io, KDA / GDN2: 100 504 / 108 720 B at
+    K = V = 128, 100 392 / 100 440 B at K = V = 64, 100 440 / 100 456 B at K = 64, V = 128,
+    100 496 / 100 432 B at K = 128, V = 64)."""
     cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=True, split=True)
     with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
-        txt = _lower(cfg, f16, K)
+        txt = _lower(cfg, f16, K, V)
     calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
     assert len(calls) == 1 and re.search(r"\\00chan_intra\\00", calls[0]), len(calls)
 

@@ -149,11 +149,11 @@ def test_config_validates_split():
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, the SMEM budget)
 
 
-def _shapes(B, T, H, HV, K, dt, scalar):
-    """ShapeDtypeStructs of channel_intra's inputs (V = K)."""
-    S = jax.ShapeDtypeStruct
-    gates = (S((B, HV, T), f32), None) if scalar else (S((B, T, HV, K), f32),) * 2
-    return (S((B, T, H, K), dt), S((B, T, H, K), dt), S((B, T, HV, K), dt),
+def _shapes(B, T, H, HV, K, dt, scalar, V=None):
+    """ShapeDtypeStructs of channel_intra's inputs (V defaults to K)."""
+    S, V = jax.ShapeDtypeStruct, K if V is None else V
+    gates = (S((B, HV, T), f32), None) if scalar else (S((B, T, HV, K), f32), S((B, T, HV, V), f32))
+    return (S((B, T, H, K), dt), S((B, T, H, K), dt), S((B, T, HV, V), dt),
             S((B, T, HV, K), f32), *gates)  # fmt: skip
 
 

@@ -362,8 +362,9 @@ def _kernel_refs(x, out, scale):
     q, k = _chunks(_rep(x["q"], HV)), _chunks(_rep(x["k"], HV))
     Gc, vn, dox = _chunks(x["G"]), _chunks(x["vn"]), _chunks(x["do"])
     dv2 = _chunks(out["dvh"].astype(f32) + out["dvl"].astype(f32))
-    h = x["h"].astype(f32).reshape(-1, K, K)  # [N·nt·HV, K, V] (same chunk-major, head order)
-    dhf = out["dh"].astype(f32).reshape(-1, K, K)
+    V = x["v"].shape[-1]
+    h = x["h"].astype(f32).reshape(-1, K, V)  # [N·nt·HV, K, V] (same chunk-major, head order)
+    dhf = out["dh"].astype(f32).reshape(-1, K, V)
     dP = scale * jnp.einsum("miv,mjv->mij", dox, vn) * jnp.tril(jnp.ones((64, 64)))
     dq_w = scale * jnp.exp(Gc) * jnp.einsum("miv,mkv->mik", dox, h)
     dq_w = dq_w + jnp.einsum("mij,mjd,mijd->mid", dP, k, D)
