@@ -10,11 +10,14 @@ gate of a padded row is that of the last valid row. Per-token log-decays are cla
 :data:`MIN_LOG_DECAY` (-10) first, which bounds every factor of the kernels' sub-chunk decay
 factoring by e^{80} (finite in f32/bf16) and changes results by at most e^{-10} relative.
 
-f16 io (K == V): the kernels stage those decay-factored operands as bf16 hi/lo pairs (f32 range,
-~16-bit precision; f16 could hold neither their size nor their spread) and the f32 state and its
-gradient as f16 with one scale per row or column (as the GDN kernels do); the intra kernel runs
-its split form, the backward's dq/dk/dw kernel its K-split or phased form (H200 tests: forward
-and every gradient within 2x of the f16 recurrence's error, log-decay −5 per token included).
+f16 io (K, V ∈ {64, 128}, K ≠ V included): the kernels stage those decay-factored operands as
+bf16 hi/lo pairs (f32 range, ~16-bit precision; f16 could hold neither their size nor their
+spread) and the f32 state and its gradient as f16 with one scale per row or column (as the GDN
+kernels do); the intra kernel runs its split form (K/64 passes over K, u in V/64 column blocks),
+the backward's dq/dk/dw kernel its K-split (K = 128) or phased (K = 64) form and the WY kernel
+its K-split form at K = 128 (at either V: their unsplit forms have no shared memory for the f16
+staging tiles there). H200 tests at K = V: forward and every gradient within 2x of the f16
+recurrence's error, log-decay −5 per token included; K ≠ V: the same on the CPU interpreter.
 
 Core (:func:`_core`, a ``custom_vjp`` with a frozen :class:`ChannelConfig`) on padded lanes,
 ``N`` lanes of ``Tp`` rows (Tp % 64 == 0):
@@ -119,7 +122,7 @@ def intra_config(
     Split over two CTAs (``ChannelIntraConfig.split``) at K = V = 128 for GDN2 always and for KDA
     when A is stored, as measured on the H200 at B4 T4096 HV16 (benchmarks/RESULTS.md, session
     6): GDN2 1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA without A 1.45
-    vs 1.40.
+    vs 1.40. f16 io: split at every K, V (the only form with the bf16 hi/lo operand tiles).
     """
     split = K == V == 128 and (store_a or not cfg.scalar_beta)
     # f16: the decay-factored operands are bf16 hi/lo pairs, which only the split form has SMEM for

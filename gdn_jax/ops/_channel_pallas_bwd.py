@@ -69,9 +69,11 @@ def channel_backward_pallas(
         lowering only, never run on the GPU, hence off by default).
       k_split: the dq/dk/dw and WY kernels run two CTAs per chunk and value head, one per
         64-column half of K: half-size register tiles and under half the SMEM per CTA, so two
-        CTAs share an SM (K = 128; at K = 64 the one-CTA kernels already have those tiles and
-        run instead). On the H200 at B4 T4096 HV16 it halves both kernels' time (2.39 vs 4.88
-        ms and 2.27 vs 4.34 ms, benchmarks/RESULTS.md session 5), hence the default.
+        CTAs share an SM (bf16: K = V = 128; f16: K = 128 at either V, which f16 needs there;
+        at K = 64 the one-CTA kernels already have those tiles and run instead, f16's dq/dk/dw
+        as the split kernel's phased body on one CTA). On the H200 at B4 T4096 HV16 it halves
+        both kernels' time (2.39 vs 4.88 ms and 2.27 vs 4.34 ms, benchmarks/RESULTS.md session
+        5), hence the default.
     Returns:
       (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
       db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32).
@@ -86,7 +88,8 @@ def channel_backward_pallas(
     # at K = 64 the one-CTA bf16 kernels already have [C, 64] tiles; f16 dq/dk/dw then runs the
     # split kernel's phased body on one CTA (two CTAs per SM) instead of a one-CTA form at 144 KB.
     # At K = 128 f16 needs the K-split forms at either V (the unsplit ones have no SMEM for its
-    # staging tiles); bf16 splits at K = V = 128 only (V = 64 left as measured, unsplit)
+    # staging tiles); bf16 keeps its K-split at K = V = 128 only (the form benchmarked there; at
+    # V = 64 the unsplit kernels run, as before the K-split forms took V = 64)
     wy_split = k_split and K == 128 and (v.shape[-1] == 128 or f16)
     dqkw_split = wy_split or (k_split and f16 and K == 64)
     do = do.astype(dt)

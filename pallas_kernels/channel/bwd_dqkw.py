@@ -15,14 +15,15 @@ The remaining last-row term e^{G_last} ⊙ Σ_v h ⊙ dh is added by the caller.
 use the sub-chunk reference rows of :mod:`bwd_decay`. h and dh share one SMEM tile (dh is loaded
 once h's products are done) to stay inside the shared-memory budget at K = V = 128.
 
-K-split form (``k_split=True``, K = V = 128): every output is separable over the key dimension
+K-split form (``k_split=True``, K = 128, V ∈ {64, 128}): every output is separable over the key
+dimension
 (column block kh of dq, dk, dw, dG reads only q, k, G, the reference rows and G_last in those
-columns and the rows kh of h and dh, plus the full-V tiles v_new, do, dv2), so two CTAs share a
-(chunk, value head), each computing one 64-column half of K with [64, 64] register tiles (dP is
-one cheap wgmma: each CTA forms it again). Halving the tiles removes the register spills of the
-[64, 128] form, and the scratch is cut from 221 KiB to 100 KiB per CTA (108 KiB sliced; two
-scoped phases share the space, see :func:`_dqkw_ksplit_body`), so two CTAs fit on an SM (228 KiB)
-and hide each other's latency.
+columns and the rows kh of h and dh, plus the full-V tiles v_new, do, dv2, so V is never split),
+so two CTAs share a (chunk, value head), each computing one 64-column half of K with [64, 64]
+register tiles (dP is one cheap wgmma: each CTA forms it again). Halving the tiles removes the
+register spills of the [64, 128] form, and the scratch is cut from 221 KiB to 100 KiB per CTA at
+V = 128 (108 KiB sliced; two scoped phases share the space, see :func:`_dqkw_ksplit_body`), so
+two CTAs fit on an SM (228 KiB) and hide each other's latency.
 
 f16 io (DESIGN §3): h and dh arrive in **f32** (the state kernels store them f32 for f16 io;
 an f16 h/dh is accepted too) and are staged as f16 with one scale per row of the state
@@ -32,10 +33,11 @@ the scales in f32 (:func:`_unstage`). The decayed products take D = dP and the f
 as bf16 hi/lo pairs (bf16 hi/lo staging, :mod:`bwd_decay`): dP's tile and the operand scratch are
 bf16, with one more bf16 tile for dP's lo part. Forms serving f16:
 
-- K-split (K = V = 128): h and dh pass through a [64, V] f32 tile in scopes of their own, in the
-  space the phases share (dh's staging also emits dw); the sliced form runs its "rows" product
-  unsliced (no room for dPᵀ hi + lo). Mosaic's count: ≈ 111 720 B per CTA, sliced or not
-  (bf16: 102 488 / 110 680 B), within half an SM.
+- K-split (K = 128, V ∈ {64, 128}): h and dh pass through a [64, V] f32 tile in scopes of their
+  own, in the space the phases share (dh's staging also emits dw); the sliced form runs its
+  "rows" product unsliced (no room for dPᵀ hi + lo). Mosaic's count: ≈ 111 720 B per CTA at
+  V = 128, 95 336 B at V = 64, sliced or not (bf16, V = 128: 102 488 / 110 680 B), within half
+  an SM.
 - K = 64 with ``k_split``: the K-split form's phased body on one CTA per (chunk, value head)
   (all 64 columns): ≈ 95 340 B (V = 64) / 111 720 B (V = 128), two CTAs per SM.
 - one CTA (K = 64, V ∈ {64, 128}, ``k_split=False``): an [K, V] f32 staging tile, dP lo and a
@@ -431,7 +433,8 @@ def channel_bwd_dqkw(
         for bf16 (the one-CTA form already works on [64, 64] tiles); for f16 it selects the
         phased body of the split form on one CTA (all 64 columns), whose scopes fit two CTAs
         per SM where the one-CTA form's f16 tiles do not. Other K raise NotImplementedError.
-        f16 at K = 128 needs it (NotImplementedError otherwise).
+        Any V ∈ {64, 128} (every CTA holds all of V). f16 at K = 128 needs it
+        (NotImplementedError otherwise).
     Returns:
       dq [B, T, HV, K] (per value head; io dtype without GVA, else f32 to be summed),
       dk [B, T, HV, K] f32 (per value head), dw [B, T, HV, K] io dtype,

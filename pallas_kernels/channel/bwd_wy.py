@@ -25,8 +25,9 @@ hi + lo with the f16 A, as for bf16, but scaled per row / column into f16's rang
 (:func:`_neg_inverse_product`, scaled f16 staging). Forms serving f16, Mosaic's SMEM count per CTA
 (KDA / GDN2):
 
-- K-split (K = V = 128): the dL tiles take turns with dA's f16 staging tile in the own K-half
-  pass: ≈ 97 410 / 110 740 B (bf16: 81 024 / 94 360 B), within half an SM;
+- K-split (K = 128, V ∈ {64, 128}): the dL tiles take turns with dA's f16 staging tile in the
+  own K-half pass: ≈ 97 410 / 110 740 B at V = 128, 97 384 / 110 712 B at V = 64 (bf16, V = 128:
+  81 024 / 94 360 B), within half an SM;
 - unsplit at K = 64: ≈ 129 100 / 143 450 B at V = 64, 170 060 / 217 180 B at V = 128 (one CTA
   per SM); at K = 128 it would exceed an SM: NotImplementedError (use k_split).
 """
@@ -71,8 +72,9 @@ class ChannelBwdWyConfig:
       scalar_beta: KDA (one β per token and value head, [B, HV, T]); else GDN2 gates.
       sliced: form the decayed "cols" product with 16-deep contractions over sub-chunk slices.
       k_split: two CTAs per (chunk, value head), each producing one 64-column half of the key-
-        and value-side outputs (K == V == 128 only): [C, 64] register tiles and ≤ 90 KB of SMEM
-        per CTA, so two CTAs share an SM (see :func:`_split_body`).
+        side outputs and (V = 128) of the value-side ones (K = 128, V ∈ {64, 128} only): [C, 64]
+        register tiles and ≤ 90 KB of SMEM per CTA (bf16), so two CTAs share an SM (see
+        :func:`_split_body`).
     """
 
     scalar_beta: bool = False
@@ -278,6 +280,12 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
         2. own V-half:    dA += du (w_gate ⊙ v)ᵀ;  dwv = Aᵀ du → dv, dw_gate (partial dβ)
         3. other K-half:  dA += dw (bk ⊙ e^G)ᵀ
         4. own K-half:    dA += dw (bk ⊙ e^G)ᵀ;  dL;  dk, dG, db (partial dβ)
+
+    At V = 64 there is no V-half to share: passes 1 and 2 become one pass over all of V in both
+    CTAs (dA needs it whole), and only the CTA of K-half 0 writes dv, dw_gate (and counts their
+    part of dβ); the other forms dwv = Aᵀ du ([C, 64], one wgmma) and drops it, rather than
+    branch around the pass's shared code. SMEM: pass 1, 2's scope is the same size, so the peak
+    is as at V = 128.
 
     Every register tile is [C, 64] f32 (32 registers a thread). SMEM bytes per CTA, bf16 io,
     GDN2 / KDA (a KDA-only or GDN2-only buffer is a 32-byte placeholder in the other variant):
@@ -501,7 +509,7 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
       g_cum: [B, T, HV, K] f32; gr, gl: reference rows / G_last (see :mod:`bwd_dqkw`).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
       w_gate: GDN2: [B, T, HV, V] f32; KDA: None.
-      config: :class:`ChannelBwdWyConfig`; ``k_split`` needs K == V == 128 (else
+      config: :class:`ChannelBwdWyConfig`; ``k_split`` needs K = 128, V ∈ {64, 128} (else
         NotImplementedError: at K = 64 the unsplit kernel already has [C, 64] tiles).
     Returns:
       GDN2: dk [B, T, HV, K] f32 (per value head), dv [B, T, HV, V] io dtype, dG [B, T, HV, K] f32,

@@ -23,10 +23,10 @@ with margin. Products above the diagonal may overflow to inf in the accumulator;
 with ``where`` (never multiplied by a mask). Exponents of rows or columns a sub-chunk does not use
 are masked to 0 *before* ``exp``.
 
-Split form (``ChannelIntraConfig(split=True)``, K = V ∈ {64, 128}): two CTAs per (chunk, value
+Split form (``ChannelIntraConfig(split=True)``, K, V ∈ {64, 128}): two CTAs per (chunk, value
 head, batch row), one forming L → A → w, u (and A), the other Aqk, qg, kg, both contracting over K
-in 64-column passes, so only [64, 64] f32 register tiles are live and a CTA needs under half an
-SM's shared memory (:func:`_split_body`).
+in 64-column passes (K/64 of them; w in K/64 and u in V/64 column blocks), so only [64, 64] f32
+register tiles are live and a CTA needs under half an SM's shared memory (:func:`_split_body`).
 
 Precision: K-contractions, A and every accumulation in f32; wgmma operands (the factored k, q,
 A, the gated v) are 16-bit. Outputs are stored in the io dtype.
@@ -79,7 +79,7 @@ class ChannelIntraConfig:
       store_a: also write A (16-bit) for the backward.
       split: two CTAs per (chunk, value head, batch row), one forming L → A → w, u (and A), the
         other Aqk, qg, kg, each on [64, 64] register tiles with about half the shared memory, so
-        two CTAs share an SM (see :func:`_split_body`). Needs K == V ∈ {64, 128}. The only form
+        two CTAs share an SM (see :func:`_split_body`). Needs K, V ∈ {64, 128}. The only form
         serving f16 io.
     """
 
@@ -270,7 +270,8 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
       t = 1 ("qk"):  Aqk, qg, kg
 
     with no work done twice except the column operands' exponentials. Both contract over K in
-    64-column passes (each pass adds its partial products to one f32 register tile), so every
+    K/64 passes of 64 columns (each pass adds its partial products to one f32 register tile); w
+    leaves in K/64 and u in V/64 blocks of 64 columns (K and V need not match). So every
     register tile is [C, 64] f32 (32 registers a thread) and a pass's SMEM is released before the
     next one loads. The maths is the unsplit kernel's, operand for operand: qg, kg are bitwise
     equal, L and Aqk differ only in the f32 order of the two K-halves' partial sums.
@@ -301,8 +302,10 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
     then allocates the inverse scratch x, oy and the output staging (32 768 B, used only after
     the L passes) in the tail's scope instead of "always": wy peak = always (32 896 / 33 096) +
     L pass (74 752 / 58 400); qk peak = 32 848 + 66 816. Mosaic's count (f16, K = V = 128):
-    108 720 B (GDN2) / 100 504 B (KDA); K = 64: 100 440 B / 100 392 B
-    (tests/pallas/test_channel_f16_intra.py lowers it under the two-CTA limit).
+    108 720 B (GDN2) / 100 504 B (KDA); K = V = 64: 100 440 B / 100 392 B; K = 64, V = 128:
+    100 456 B / 100 440 B; K = 128, V = 64: 100 432 B / 100 496 B (K ≠ V holds fewer of the
+    per-K or per-V tiles than K = V = 128; tests/pallas/test_channel_f16_intra.py lowers every
+    K, V under the two-CTA limit).
     """
     scalar = cfg.scalar_beta
     (q_g, k_g, v_g, G_g, gr_g, gl_g, be_g, b_g, wg_g,
@@ -589,7 +592,7 @@ def channel_intra(
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
         Padded rows zero.
       w_gate: GDN2: [B, T, HV, V] f32 write gate (padded rows zero); KDA: None.
-      config: :class:`ChannelIntraConfig`; ``split`` needs K == V ∈ {64, 128} (else
+      config: :class:`ChannelIntraConfig` (``split``: K, V ∈ {64, 128}, else
         NotImplementedError).
     Returns:
       qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] = k e^{G_last − G}; w [B, T, HV, K];
