@@ -227,6 +227,32 @@ def _add_bitwise_xla_flags() -> None:
     os.environ["XLA_FLAGS"] = flags
 
 
+def f32_distances(args, results: dict) -> list[dict]:
+    """Step 1 of each run in ``results`` ({(backend, variant): result}) against the same step in
+    f32 compute (same parameters and data): if a variant that is not bitwise (a) is as far from
+    f32 as (a) is, the two differ by where they round, not by what they compute."""
+    rows = []
+    for backend in dict.fromkeys(b for b, _ in results):
+        s = make_setup(
+            args.preset, layers=args.layers, seq=args.seq, batch=args.batch,
+            fp8_backend=None if backend == "none" else backend,
+            implementation=args.implementation, dtype=jnp.float32,
+        )  # fmt: skip
+        ref = jax.tree.map(np.asarray, run_variant(s, "save", steps=1))
+        for (b, v), r in results.items():
+            if b != backend:
+                continue
+            loss, grads = first_step_diff(ref, r)
+            print(
+                f"fp8={backend:6s} {v:8s} vs f32 compute, step 1: "
+                f"loss rel diff {loss:.2g}, grads rel RMS {grads:.2g}",
+                flush=True,
+            )
+            rows.append(dict(fp8=backend, variant=v, vs="f32", step1_loss_rel=loss,
+                             step1_grad_rel_rms=grads))  # fmt: skip
+    return rows
+
+
 def main(argv=None) -> int:
     _add_bitwise_xla_flags()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -242,6 +268,11 @@ def main(argv=None) -> int:
     p.add_argument("--nojit-steps", type=int, default=STEPS, help="steps of the op-by-op run")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new variants")
     p.add_argument("--hlo-dir", default=None, help="write each jitted variant's optimised HLO here")
+    p.add_argument(
+        "--f32-reference", action="store_true",
+        help="also run one step in f32 compute and print how far (a) and each non-bitwise "
+        "variant are from it (equally far: their difference is rounding placement)",
+    )  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.hlo_dir:
@@ -254,7 +285,7 @@ def main(argv=None) -> int:
     print(f"devices: {jax.devices()}  preset={args.preset} seq={args.seq} batch={args.batch}")
     kw = dict(offload_fraction=args.offload_fraction, offload_threshold=args.offload_threshold)
     ok = True
-    setups, saved = {}, {}
+    setups, saved, results = {}, {}, {}
 
     def run_and_compare(backend: str, v: str) -> bool:
         """Runs variant ``v`` of ``backend``, prints its checksum and, unless it is (a) itself,
@@ -267,6 +298,7 @@ def main(argv=None) -> int:
         hlo = f"{args.hlo_dir}/{backend}_{v}.hlo.txt" if args.hlo_dir and v != "nojit" else None
         r = run_variant(s, v, steps=steps, hlo_path=hlo, **kw)
         r = jax.tree.map(np.asarray, r)  # to host: keeps device memory for the next run
+        results[backend, v] = r
         losses = r["losses"]
         print(
             f"fp8={backend:6s} {v:8s} {checksum(r)}  loss[0]={losses[0, 0]:.6f} "
@@ -322,6 +354,8 @@ def main(argv=None) -> int:
     for v in (v for v in variants if v not in first):
         for backend in setups:
             ok &= run_and_compare(backend, v)
+    if args.f32_reference:
+        report += f32_distances(args, results)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(args=vars(args), ok=ok, rows=report)))
     print("PASS" if ok else "FAIL")
