@@ -20,6 +20,7 @@ The scripts/gpu_equivalence.py run does the same on the GPU at the qwen3_5_0_8b 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -116,3 +117,20 @@ def test_step_lowers_for_cuda_with_offload_and_fp8():
     text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count('_xla_buffer_placement = "pinned_host"') >= 13
     assert "f8E4M3FN" in text and "f8E5M2" in text
+
+
+def test_gpu_script_main(tmp_path, monkeypatch):
+    """The GPU script end to end at one step: (a) = (b) passes, and ``--f32-reference`` gives
+    each run's distance from f32 compute (equal for bitwise-equal runs, nonzero for BF16)."""
+    monkeypatch.setenv("XLA_FLAGS", "")  # main adds its GPU flags; restored afterwards
+    out = tmp_path / "report.json"
+    argv = ["--preset", "tiny", "--seq", "16", "--fp8", "none", "--variants", "save,offload",
+            "--steps", "1", "--f32-reference", "--json", str(out)]  # fmt: skip
+    assert ge.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    (ab,) = [r for r in rows if r.get("vs") is None]
+    assert ab["variant"] == "offload" and ab["bitwise"] and ab["steps"] == 1
+    f32 = {r["variant"]: r for r in rows if r.get("vs") == "f32"}
+    assert set(f32) == {"save", "offload"}
+    assert f32["save"]["step1_grad_rel_rms"] == f32["offload"]["step1_grad_rel_rms"]
+    assert 0 < f32["save"]["step1_grad_rel_rms"] < 1

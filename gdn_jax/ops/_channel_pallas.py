@@ -16,9 +16,8 @@ spread) and the f32 state and its gradient as f16 with one scale per row or colu
 kernels do); the intra kernel runs its split form (K/64 passes over K, u in V/64 column blocks),
 the backward's dq/dk/dw kernel its K-split (K = 128) or phased (K = 64) form and the WY kernel
 its K-split form at K = 128 (at either V: their unsplit forms have no shared memory for the f16
-staging tiles there). H200 tests at K = V: forward and every gradient within 2x of the f16
-recurrence's error, log-decay −5 per token included; K ≠ V: the same on the CPU interpreter,
-not yet on a GPU (:data:`F16_K_NE_V_GPU_VALIDATED` keeps it on "xla" there until then).
+staging tiles there). H200 tests, K = V and K ≠ V: forward and every gradient within 2x of the
+f16 recurrence's error, log-decay −5 per token included.
 
 Core (:func:`_core`, a ``custom_vjp`` with a frozen :class:`ChannelConfig`) on padded lanes,
 ``N`` lanes of ``Tp`` rows (Tp % 64 == 0):
@@ -211,25 +210,12 @@ _core.defvjp(_core_fwd, _backward)
 # public glue
 
 
-# f16 with K != V (the split intra kernel with separate K and V passes, the K-split dq/dk/dw and WY
-# kernels at K = 128, V = 64) passes the CPU interpreter and the CUDA lowering but has not run on
-# a GPU yet: until test_channel_pallas.py::test_gpu_f16_k_ne_v has passed on an H200 (it sets
-# this for its run), a real GPU runs those shapes on "xla". f16 with K == V passed there.
-F16_K_NE_V_GPU_VALIDATED = False
-
-
 def _unsupported(q, v, chunk_size) -> str | None:
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"{q.dtype=}: the Pallas kernels take bf16 or f16 (f32 runs on 'xla')"
     if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
         return f"{q.shape=} {v.shape=}: the Pallas kernels need K, V in {{64, 128}}"
     mode = pk.execution_mode()
-    f16_k_ne_v = q.dtype == jnp.float16 and q.shape[-1] != v.shape[-1]
-    if f16_k_ne_v and mode != "interpret" and not F16_K_NE_V_GPU_VALIDATED:
-        return (
-            f"{q.shape=} {v.shape=}: f16 with K != V passes the CPU interpreter and the CUDA "
-            "lowering but has not yet run on a GPU (it runs on 'xla' until it has)"
-        )
     if chunk_size != CHUNK:
         return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
     if mode == "auto" and not pk.is_hopper():

@@ -18,7 +18,6 @@ from channel_cases import NAMES, channel_case, check_2x, pallas_op
 from gdn_cases import RECURRENT, positional, run_interpreted
 
 import gdn_jax
-from gdn_jax.ops import _channel_pallas as channel_module
 from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS, channel_pallas
 from gdn_jax.testing import random_inputs, rel_rms
 from pallas_kernels import _compat as pk
@@ -88,9 +87,7 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
      ("gdn2", 64, 128, 2, "float16"), ("kda", 64, 128, 2, "float16"),
      ("gdn2", 128, 64, 2, "float16"), ("kda", 128, 64, 4, "float16")],
 )  # fmt: skip
-def test_lowers_for_cuda(variant, K, V, HV, dtype, monkeypatch):
-    # f16 with K != V: the lowering is what is checked here, before it has run on a GPU
-    monkeypatch.setattr(channel_module, "F16_K_NE_V_GPU_VALIDATED", True)
+def test_lowers_for_cuda(variant, K, V, HV, dtype):
     B, T, H = 1, 200, 2
     S, bf, f = jax.ShapeDtypeStruct, jnp.dtype(dtype), jnp.float32
     gates = (S((B, T, HV, K), f), S((B, T, HV, K), f), S((B, T, HV, V), f))
@@ -164,13 +161,6 @@ def test_f16_k_ne_v_runs_pallas(K, V):
     assert o.dtype == jnp.float16 and rel_rms(o, ref) < 1e-2
 
 
-def test_f16_k_ne_v_waits_for_gpu_validation():
-    """Until f16 with K != V has passed its GPU test, it runs on the kernels only under the
-    interpreter; on a GPU the op refuses (and the selector falls back to xla)."""
-    with pk.use_mode("gpu"), pytest.raises(NotImplementedError, match="not yet run on a GPU"):
-        channel_pallas(*_direct_args(jnp.float16, 64, 128), chunk_size=64, **_KW)
-
-
 def test_registry_and_kda_reads_scalar_beta():
     assert set(CHANNEL_PALLAS) == {"kda", "gdn2"}
     x = random_inputs(0, B=1, T=64, H=1, HV=1, K=64, V=64, variant="kda")
@@ -225,8 +215,7 @@ def test_gpu_k_ne_v(variant, K, V):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,K,V", [("gdn2", 64, 128), ("kda", 128, 64)])
-def test_gpu_f16_k_ne_v(variant, K, V, monkeypatch):
-    monkeypatch.setattr(channel_module, "F16_K_NE_V_GPU_VALIDATED", True)
+def test_gpu_f16_k_ne_v(variant, K, V):
     x, cu, cts = channel_case(9, variant, 2, 2048, 4, 8, K, V, None)
     check_2x(variant, pallas_op(variant), x, cu, cts, jnp.float16)
 
