@@ -22,6 +22,7 @@ from flax import nnx
 
 import gdn_jax
 from gdn_jax import fp8
+from gdn_jax.fp8 import te_bridge
 from gdn_jax.nn import GatedDeltaNet
 from gdn_jax.nn import gated_deltanet as gdn_layer
 from gdn_jax.testing import rel_rms
@@ -440,7 +441,7 @@ def stand_in_te(monkeypatch, fake_te):
     root.jax, root.common, common.recipe = te, common, recipe
     for mod in (root, common, recipe, te_flax):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setattr(fp8, "_gpu_capability", lambda: (9.0, "NVIDIA H200"))
+    monkeypatch.setattr(te_bridge, "_gpu_capability", lambda: (9.0, "NVIDIA H200"))
     return cfg
 
 
