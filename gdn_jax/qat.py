@@ -5,8 +5,9 @@ recurrent state entering each chunk (used by that chunk's output and update) and
 activation ``w = A (β e^G k)``. :class:`QATConfig` turns on dynamic FP8-E4M3 quantise-dequantise
 at those sites (scale from the current amax), with an identity straight-through gradient.
 :class:`QATPolicy` selects modules by name patterns (last match wins) and is stored with the
-model's checkpoint (:func:`save_policy` / :func:`load_policy`); :func:`apply_policy` sets it on
-every GDN layer of a model.
+model's checkpoint (:func:`save_policy` / :func:`load_policy`);
+:func:`gdn_jax.nn.apply_qat_policy` sets it on every GDN layer of a model. This module imports
+nothing from the layers or ops that use it.
 
 Scale granularity (chosen so that a kernel that splits V across thread blocks can fuse it):
 - state: ``"column"`` one scale per value column (amax over K), or ``"matrix"`` one per K×V state
@@ -20,6 +21,7 @@ import dataclasses
 import fnmatch
 import functools
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,6 @@ __all__ = [
     "fake_quant",
     "policy_to_json",
     "policy_from_json",
-    "apply_policy",
     "save_policy",
     "load_policy",
 ]
@@ -170,39 +171,11 @@ def policy_from_json(text: str) -> QATPolicy:
     return QATPolicy(tuple(rules))
 
 
-def module_path(path: tuple) -> str:
-    """Dotted name of an NNX module path, e.g. ``("layers", 0, "mixer") -> "layers.0.mixer"``."""
-    return ".".join(str(p) for p in path)
-
-
-def apply_policy(model, policy: QATPolicy) -> dict[str, QATConfig | None]:
-    """Sets ``qat`` on every GDN layer of an NNX model from ``policy`` (last match wins).
-
-    Args:
-      model: an ``nnx.Module`` holding :class:`gdn_jax.nn.GatedDeltaNet` layers.
-      policy: the rules; modules no rule matches get None (QAT off).
-    Returns:
-      The resolved ``{module path: config}`` of every GDN layer.
-    """
-    from flax import nnx
-
-    from gdn_jax.nn import GatedDeltaNet
-
-    resolved = {}
-    for path, module in nnx.iter_modules(model):
-        if isinstance(module, GatedDeltaNet):
-            name = module_path(path)
-            module.qat = resolved[name] = policy.resolve(name)
-    return resolved
-
-
 POLICY_FILE = "qat_policy.json"
 
 
 def save_policy(directory, policy: QATPolicy) -> None:
     """Writes the policy next to a checkpoint (``<directory>/qat_policy.json``)."""
-    import pathlib
-
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     (path / POLICY_FILE).write_text(policy_to_json(policy))
@@ -210,7 +183,5 @@ def save_policy(directory, policy: QATPolicy) -> None:
 
 def load_policy(directory) -> QATPolicy | None:
     """The policy saved by :func:`save_policy` in ``directory``, or None if there is none."""
-    import pathlib
-
     path = pathlib.Path(directory) / POLICY_FILE
     return policy_from_json(path.read_text()) if path.exists() else None

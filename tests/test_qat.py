@@ -8,6 +8,7 @@ import pytest
 from gdn_cases import CHUNK, OPS, RECURRENT, positional, value_and_grads
 
 from gdn_jax import qat
+from gdn_jax.nn import apply_qat_policy
 from gdn_jax.testing import random_inputs, rel_rms
 
 XLA = dict(implementation="xla")
@@ -131,16 +132,16 @@ def test_policy_on_the_hybrid_model_and_an_optimizer_step():
     )
     model = _tiny_model()
     base = model(tokens)
-    resolved = qat.apply_policy(model, policy)
+    resolved = apply_qat_policy(model, policy)
     assert resolved == {"layers.0.mixer": qat.QATConfig(), "layers.1.mixer": None,
                         "layers.2.mixer": qat.QATConfig()}  # fmt: skip
     quantised = model(tokens)
     assert 0 < rel_rms(quantised, base) < 0.1
-    qat.apply_policy(model, qat.QATPolicy())  # all off: bitwise the model without QAT
+    apply_qat_policy(model, qat.QATPolicy())  # all off: bitwise the model without QAT
     np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(base))
 
     # One AdamW step with QAT on trains (finite loss, every parameter moves).
-    qat.apply_policy(model, policy)
+    apply_qat_policy(model, policy)
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
 
     def loss_fn(m):
@@ -162,7 +163,7 @@ def test_checkpoint_round_trip_keeps_the_policy(tmp_path):
     tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, (1, 40)), jnp.int32)
     policy = qat.QATPolicy((qat.QATRule("layers.2.mixer", qat.QATConfig(sites=("w",))),))
     model = _tiny_model()
-    qat.apply_policy(model, policy)
+    apply_qat_policy(model, policy)
     want = model(tokens)
     with ocp.CheckpointManager(tmp_path / "ckpt") as mgr:
         mgr.save(0, args=ocp.args.StandardSave(nnx.state(model, nnx.Param)))
@@ -175,5 +176,5 @@ def test_checkpoint_round_trip_keeps_the_policy(tmp_path):
         nnx.update(fresh, mgr.restore(0, args=ocp.args.StandardRestore(target)))
     restored = qat.load_policy(tmp_path / "ckpt")
     assert restored == policy
-    qat.apply_policy(fresh, restored)
+    apply_qat_policy(fresh, restored)
     np.testing.assert_array_equal(np.asarray(fresh(tokens)), np.asarray(want))
