@@ -34,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, ".")
 from benchmarks.shapes import CHUNKED, SHAPES  # noqa: E402
+from pallas_kernels import CHUNK as C  # noqa: E402
 
-C = 64
 COPY_BW = 4.07e12  # bytes/s, measured H200 copy bandwidth (mosaic_gpu_notes.md)
 MM_RATE = 700e12  # FLOP/s, bf16 dense matmul ceiling used for the floor
 

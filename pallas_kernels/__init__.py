@@ -5,5 +5,6 @@ version-dependent Pallas call goes through :mod:`pallas_kernels._compat`.
 """
 
 from pallas_kernels._compat import execution_mode, is_hopper, use_mode
+from pallas_kernels._tiles import CHUNK
 
-__all__ = ["execution_mode", "is_hopper", "use_mode"]
+__all__ = ["CHUNK", "execution_mode", "is_hopper", "use_mode"]

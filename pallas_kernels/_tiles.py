@@ -17,7 +17,12 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 
+# Rows per chunk of every chunked stage: the M of one warpgroup's WGMMA tile, and the size the
+# block-doubling inverse (:func:`unit_lower_inverse`) is written for.
+CHUNK = 64
+
 __all__ = [
+    "CHUNK",
     "unit_lower_inverse",
     "col_vec_row",
     "chunk_coords",

@@ -10,7 +10,7 @@ import pytest
 from gdn_cases import OPS, RECURRENT, STEPS, positional, value_and_grads
 
 import gdn_jax
-from gdn_jax.testing import random_inputs, rel_rms, upcast
+from gdn_jax.testing import check_2x, random_inputs, rel_rms, upcast
 
 XLA = dict(implementation="xla")
 
@@ -44,10 +44,8 @@ def test_low_precision_two_times_rule(variant, dtype):
     (o_lo, s_lo), g_lo = value_and_grads(RECURRENT[variant], args, h0, **kw)
     (o, s), g = value_and_grads(OPS[variant], args, h0, **XLA, **kw)
     assert o.dtype == dtype and s.dtype == jnp.float32
-    pairs = [(o, o_lo, o32), (s, s_lo, s32)] + list(zip(g, g_lo, g32, strict=True))
-    for i, (ours, ref_lo, ref32) in enumerate(pairs):
-        err, budget = rel_rms(ours, ref32), rel_rms(ref_lo, ref32)
-        assert err <= 2 * budget + 1e-6, (i, err, budget)
+    names = ["o", "final_state"] + [f"d{i}" for i in range(len(g))]
+    check_2x(names, (o, s, *g), (o_lo, s_lo, *g_lo), (o32, s32, *g32), floor=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda"])

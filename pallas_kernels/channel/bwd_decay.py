@@ -40,8 +40,8 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import CHUNK
 
-CHUNK = 64
 SUB = 16
 NSUB = CHUNK // SUB
 HALF = 64  # key / value columns per CTA or per pass of the split kernels (K = 128 in two)

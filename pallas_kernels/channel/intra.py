@@ -54,17 +54,22 @@ from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import (
+    CHUNK,
     Bars,
     accumulate_passes,
     chunk_coords,
     pair_chunk_coords,
     per_chunk_kernel,
 )
-from pallas_kernels.channel.bwd_decay import HALF, Decay, decay_copies, decay_smem
+from pallas_kernels.channel.bwd_decay import (
+    HALF,
+    NSUB,
+    SUB,
+    Decay,
+    decay_copies,
+    decay_smem,
+)
 
-CHUNK = 64
-SUB = 16  # rows per sub-chunk of the decay factoring
-NSUB = CHUNK // SUB
 MID = SUB // 2  # reference row inside each sub-chunk
 f32 = jnp.float32
 

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import chunk_coords, emit_tile, load_tiles, per_chunk_kernel
+from pallas_kernels._tiles import CHUNK, chunk_coords, emit_tile, load_tiles, per_chunk_kernel
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
-CHUNK = 64
 f32 = jnp.float32
 
 

@@ -20,11 +20,16 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
+from pallas_kernels._tiles import (
+    CHUNK,
+    LoopConfig,
+    per_v_block_kernel,
+    store_f32_tile,
+    v_block_coords,
+)
 from pallas_kernels.gdn.chunk_fwd import META_COLS, check_meta
 from pallas_kernels.gdn.fake_quant import stage_columns
 
-CHUNK = 64
 f32 = jnp.float32
 
 

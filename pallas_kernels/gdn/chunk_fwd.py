@@ -24,10 +24,15 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import LoopConfig, per_v_block_kernel, store_f32_tile, v_block_coords
+from pallas_kernels._tiles import (
+    CHUNK,
+    LoopConfig,
+    per_v_block_kernel,
+    store_f32_tile,
+    v_block_coords,
+)
 from pallas_kernels.gdn.fake_quant import fake_quant_e4m3, stage_columns
 
-CHUNK = 64
 f32 = jnp.float32
 STATE_QUANT = {"column": "cols", "matrix": "all"}  # QAT granularity -> groups of the [K, BV] tile
 
