@@ -5,7 +5,7 @@ run; FLA's ``fused_recurrent_*`` too when ``fla`` imports.
 Usage (on the GPU machine, from the checkout)::
 
     PYTHONPATH=. python3 benchmarks/bench_decode.py [--batch 64 256] [--variants gdn kda gdn2]
-        [--impls pallas xla fla] [--json out.json]
+        [--impls pallas xla fla] [--json PATH|auto|none]
 
 The step is jitted with the state donated, so it updates the state in place; the floor is reading
 and writing the f32 state once (``2 · B · HV · K · V · 4`` bytes) over the measured copy bandwidth,
@@ -16,12 +16,15 @@ and GB/s is those bytes over the measured time. Two timings per JAX implementati
   host dispatch is excluded, as in FLA's ``do_bench`` (CUDA events) timing;
 - ``*_call_ms``: one jitted, state-donating call per step from Python (bench_gdn.py timing:
   batches of back-to-back calls, median), i.e. what a host-driven decode loop sees.
+
+Results: one ``decode`` file of :mod:`benchmarks.results` per run (rows ``variant, B, H, HV, K,
+V, floor_ms, {impl}_ms, {impl}_call_ms, {impl}_GBps, {impl}_per_floor``), by default under
+``benchmarks/results/`` on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 
@@ -31,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, ".")
 import gdn_jax  # noqa: E402
+from benchmarks import results  # noqa: E402
 from benchmarks.bench_gdn import COPY_BW, time_jax  # noqa: E402
 from benchmarks.shapes import SHAPES  # noqa: E402
 
@@ -143,17 +147,22 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--D", type=int, default=base.K)
     p.add_argument("--timing", choices=("loop", "call", "both"), default="both")
     p.add_argument("--block-v", type=int, default=None, help="pallas: V columns per CTA")
-    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--json", default="auto", help="results file; auto: benchmarks/results/ on a GPU; none"
+    )
     a = p.parse_args(argv)
     if a.block_v is not None:
         from gdn_jax.ops import _step_pallas
 
         _step_pallas.BLOCK_V = a.block_v
-    print(json.dumps({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                      "device": jax.devices()[0].device_kind, "jax": jax.__version__}))  # fmt: skip
+    date = results.now()
+    device = jax.devices()[0].device_kind
+    print(json.dumps({"date": date, "device": device, "jax": jax.__version__}))
     state_bytes = lambda B: 2 * B * a.HV * a.D * a.D * 4
     rows = {
-        (B, v): dict(variant=v, B=B, H=a.H, HV=a.HV, D=a.D, floor_ms=1e3 * state_bytes(B) / COPY_BW)
+        (B, v): dict(
+            variant=v, B=B, H=a.H, HV=a.HV, K=a.D, V=a.D, floor_ms=1e3 * state_bytes(B) / COPY_BW
+        )
         for B in a.batch
         for v in a.variants
     }
@@ -166,11 +175,11 @@ def main(argv=None) -> list[dict]:
                 else:
                     row.update(bench_jax(variant, impl, B, a.H, a.HV, a.D, a.D, a.timing))
             except Exception as e:  # FLA absent (CPU, no wheel), no such kernel, no GPU
-                row[f"{impl}_ms"] = float("nan")
+                row[f"{impl}_ms"] = None
                 row[f"{impl}_note"] = f"{type(e).__name__}: {e}"[:160]
             t = row[f"{impl}_ms"]
-            row[f"{impl}_GBps"] = state_bytes(B) / (t * 1e-3) / 1e9
-            row[f"{impl}_per_floor"] = t / row["floor_ms"]
+            row[f"{impl}_GBps"] = None if t is None else state_bytes(B) / (t * 1e-3) / 1e9
+            row[f"{impl}_per_floor"] = None if t is None else t / row["floor_ms"]
             keys = [k for k in row if k.startswith(impl + "_")]
             print(json.dumps({"variant": variant, "B": B, **{k: row[k] for k in keys}}), flush=True)
     rows = list(rows.values())
@@ -181,12 +190,10 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         line = f"{r['variant']:7s} {r['B']:4d} {r['floor_ms']:9.4f}"
         for impl in a.impls:
-            line += (f" {r[f'{impl}_ms']:10.4f} {r[f'{impl}_GBps']:6.0f}"
-                     f" {r[f'{impl}_per_floor']:6.2f}")  # fmt: skip
+            t, gbps, per = (r[f"{impl}_{k}"] for k in ("ms", "GBps", "per_floor"))
+            line += f" {t:10.4f} {gbps:6.0f} {per:6.2f}" if t is not None else f" {'-':>24s}"
         print(line)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    results.write(results.output_path(a.json, "decode"), "decode", rows, date=date)
     return rows
 
 

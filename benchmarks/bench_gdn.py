@@ -3,7 +3,7 @@
 Usage (on the GPU machine, from the checkout)::
 
     PYTHONPATH=. python3 benchmarks/bench_gdn.py [--shapes NAME ...] [--impls pallas xla fla]
-        [--json out.json] [--stages] [--variant gdn|kda|gdn2] [--fwd-only]
+        [--json PATH|auto|none] [--stages] [--variant gdn|kda|gdn2] [--fwd-only]
         [--qat [off column_row matrix_tile]]
 
 Timing: jitted JAX functions are dispatched ``iters`` times back to back after a warm-up and the
@@ -14,13 +14,16 @@ runs with ``use_qk_l2norm=False`` in every implementation, so the core op alone 
 
 FLA's gated backward is refused on Triton < 3.7.1 (its issue #640, a Triton miscompile); for timing
 only, this script sets ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`` and says so.
+
+Results: one ``ops`` file of :mod:`benchmarks.results` per run (rows ``variant, shape, mode,
+dtype, pallas_ms, xla_ms, fla_ms, floor_ms``; ``--qat`` rows add ``qat``; ``--stages`` adds a
+``stages`` list of per-kernel times), by default under ``benchmarks/results/`` on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import math
@@ -33,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
+from benchmarks import results  # noqa: E402
 from benchmarks.shapes import CHUNKED, SHAPES  # noqa: E402
 from pallas_kernels import CHUNK as C  # noqa: E402
 
@@ -166,6 +170,11 @@ def bench_qat(shapes, impls, names=QAT_CONFIGS, skip_fwd=False) -> list[dict]:
                     r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 rows.append({"shape": name, "impl": impl, "qat": cname, **r})
                 print(name, impl, "qat", cname, json.dumps(r), flush=True)
+    return rows
+
+
+def print_qat(rows: list[dict]) -> None:
+    """The QAT-cost table of :func:`bench_qat`'s rows."""
     hdr = ("shape", "impl", "qat", "fwd", "cost", "fwd+bwd", "cost")
     print("\n{:26s} {:7s} {:12s} {:>8s} {:>7s} {:>8s} {:>7s}".format(*hdr))
     base = {(r["shape"], r["impl"]): r for r in rows if r["qat"] == "off"}
@@ -178,7 +187,30 @@ def bench_qat(shapes, impls, names=QAT_CONFIGS, skip_fwd=False) -> list[dict]:
             f"{r['shape']:26s} {r['impl']:7s} {r['qat']:12s} "
             f"{t[0]:8.3f} {c[0]:+7.1%} {t[1]:8.3f} {c[1]:+7.1%}"
         )
-    return rows
+
+
+MODES = (("fwd", "fwd_ms"), ("fwdbwd", "fwdbwd_ms"))
+
+
+def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
+    """One measured shape (``{"shape", "variant", "dtype", impl: {"fwd_ms", ...}}``) as result
+    rows, one per mode: ``{impl}_ms`` (None where not measured) and ``{impl}_error``."""
+    out = []
+    for mode, key in MODES:
+        r = {k: row[k] for k in ("variant", "shape", "dtype")} | {"mode": mode}
+        if qat is not None:
+            r["qat"] = qat
+        for impl in ("pallas", "xla", "fla"):
+            m = row.get(impl, {})
+            r[f"{impl}_ms"] = m.get(key)
+            if "error" in m:
+                r[f"{impl}_error"] = m["error"]
+        if "fwd_floor_ms" in row:
+            r["floor_ms"] = row[f"{mode}_floor_ms"]
+        if row.get("fla", {}).get("patched_triton_gate") and mode == "fwdbwd":
+            r["fla_note"] = "gated backward forced on for timing (TRITON_ABOVE_3_7_1)"
+        out.append(r)
+    return out
 
 
 def bench_stages(s, x) -> dict:
@@ -355,7 +387,9 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=list(CHUNKED))
     p.add_argument("--impls", nargs="*", default=["pallas", "fla", "xla"])
-    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--json", default="auto", help="results file; auto: benchmarks/results/ on a GPU; none"
+    )
     p.add_argument("--stages", action="store_true", help="per-kernel times of the pallas path")
     p.add_argument("--variant", choices=("gdn", "kda", "gdn2"), default="gdn")
     p.add_argument("--fwd-only", action="store_true", help="time the forward only")
@@ -367,11 +401,7 @@ def main(argv=None):
     a = p.parse_args(argv)
 
     dev = jax.devices()[0]
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": dev.device_kind,
-        "jax": jax.__version__,
-    }
+    meta = {"date": results.now(), "device": dev.device_kind, "jax": jax.__version__}
     try:
         import fla
         import triton
@@ -381,14 +411,22 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001  FLA is optional
         meta["fla"] = f"unavailable ({type(e).__name__}: {e})"
     print(json.dumps(meta), flush=True)
+    out = results.output_path(a.json, "ops")
     if a.qat is not None:
-        rows = bench_qat(a.shapes, [i for i in a.impls if i != "fla"], a.qat or QAT_CONFIGS)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"meta": meta, "qat_rows": rows}, f, indent=1)
+        qat_rows = bench_qat(a.shapes, [i for i in a.impls if i != "fla"], a.qat or QAT_CONFIGS)
+        print_qat(qat_rows)
+        by_run = {}
+        for r in qat_rows:
+            key = (r["shape"], r["qat"])
+            by_run.setdefault(key, {"shape": r["shape"], "variant": "gdn", "dtype": "bfloat16"})
+            by_run[key][r["impl"]] = {
+                k: v for k, v in r.items() if k.endswith("_ms") or k == "error"
+            }
+        rows = [x for (_, q), row in by_run.items() for x in ops_rows(row, qat=q)]
+        results.write(out, "ops", rows, date=meta["date"])
         return
 
-    rows = []
+    rows, stages = [], []
     for name in a.shapes:
         s = SHAPES[name]
         x = inputs(s, variant=a.variant)
@@ -410,10 +448,15 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001
                 row["pallas_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             print(name, "stages", json.dumps(row["pallas_stages_ms"]), flush=True)
+            stages += [
+                {"variant": a.variant, "shape": name, "dtype": a.dtype, "kernel": k, "ms": v}
+                for k, v in row["pallas_stages_ms"].items()
+                if isinstance(v, float)
+            ]
         rows.append(row)
-        if a.json:  # rewritten after every shape, so a run cut short keeps what it measured
-            with open(a.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        # rewritten after every shape, so a run cut short keeps what it measured
+        result_rows = [x for r in rows for x in ops_rows(r)]
+        results.write(out, "ops", result_rows, date=meta["date"], stages=stages)
 
     def ms(row, impl, key):
         v = row.get(impl, {}).get(key)

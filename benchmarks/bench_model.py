@@ -14,6 +14,11 @@ checkpoint), save (every layer checkpointed, named tensors saved), offload (the 
 residuals offloaded), offloadall (every named tensor offloaded), remat (everything recomputed)}.
 Offloading steps are compiled with :func:`gdn_jax.remat.compiler_options` (XLA's GPU
 latency-hiding scheduler off); ``+overlap`` keeps the scheduler.
+
+Results: one ``model`` file of :mod:`benchmarks.results` per run (rows ``preset, layers, batch,
+seq, setting, step_ms, mfu, peak_gib, torch_eager_ms, torch_compile_ms`` and the memory
+analysis), by default under ``benchmarks/results/`` on a GPU. This script has no FLOP count and
+no PyTorch peer: ``mfu`` and ``torch_*_ms`` are null.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import results  # noqa: E402
 from gdn_jax import fp8, remat  # noqa: E402
 from gdn_jax.models import HybridLM, get_config  # noqa: E402
 
@@ -112,13 +118,20 @@ def bench(setting: str, args) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     gib = 2.0**-30
     return dict(
+        preset=args.preset,
+        layers=config.num_layers,
+        batch=args.batch,
+        seq=args.seq,
         setting=setting,
         step_ms=1e3 * float(np.median(times)),
+        mfu=None,
+        peak_gib=stats.get("peak_bytes_in_use", 0) * gib,
+        torch_eager_ms=None,
+        torch_compile_ms=None,
         compile_s=compile_s,
         device_temp_gib=getattr(ma, "temp_size_in_bytes", 0) * gib,
         device_args_gib=getattr(ma, "argument_size_in_bytes", 0) * gib,
         host_temp_gib=getattr(ma, "host_temp_size_in_bytes", 0) * gib,
-        peak_in_use_gib=stats.get("peak_bytes_in_use", 0) * gib,
         host_copies_S5=hlo.count("S(5)"),
         fp8_ops=hlo.count("f8e4m3fn") + hlo.count("f8e5m2"),
         cublaslt_fp8_gemms=hlo.count("cublas$lt$matmul$f8"),
@@ -138,11 +151,13 @@ def main(argv=None) -> int:
     p.add_argument("--offload-threshold", type=int, default=0)
     p.add_argument("--offload-fraction", type=float, default=1.0)
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new settings")
-    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--json", default="auto", help="results file; auto: benchmarks/results/ on a GPU; none"
+    )
     args = p.parse_args(argv)
     if any(s.startswith("te+") for s in args.settings.split(",")):
         fp8.te_available()  # import TE before JAX loads its CUDA libraries (see fp8.import_te)
-    start = time.perf_counter()
+    start, date = time.perf_counter(), results.now()
     rows = []
     print(f"{jax.devices()[0].device_kind}: {args.preset} B={args.batch} T={args.seq}")
     head = f"{'setting':24s} {'step ms':>8s} {'dev temp GiB':>12s} {'host temp GiB':>13s}"
@@ -169,12 +184,11 @@ def main(argv=None) -> int:
         rows.append(r)
         print(
             f"{setting:24s} {r['step_ms']:8.2f} {r['device_temp_gib']:12.3f} "
-            f"{r['host_temp_gib']:13.3f} {r['peak_in_use_gib']:9.2f} {r['host_copies_S5']:5d} "
+            f"{r['host_temp_gib']:13.3f} {r['peak_gib']:9.2f} {r['host_copies_S5']:5d} "
             f"{r['fp8_ops']:6d} {r['cublaslt_fp8_gemms']:8d} {r['compile_s']:9.1f}",
             flush=True,
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+    results.write(results.output_path(args.json, "model"), "model", rows, date=date)
     return 0
 
 

@@ -21,12 +21,14 @@ on one device.
         --implementation pallas --json sharding.json                 # on 2+ GPUs
     python benchmarks/bench_sharding.py --cpu-devices 4 --preset tiny --layers 2 --seq 128 \
         --batch 2 --iters 1 --devices 2 --dtype float32             # CPU check, seconds
+
+Results: one ``sharding`` file of :mod:`benchmarks.results` per run (one row per mode, the fields
+printed below), by default under ``benchmarks/results/`` on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,7 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import results  # noqa: E402
 from gdn_jax import sharding  # noqa: E402
 from gdn_jax.models import HybridLM, get_config  # noqa: E402
 
@@ -130,8 +133,9 @@ def _field(kv: str) -> tuple[str, int]:
 def matches_one_device(row: dict, tol: float) -> bool:
     """The check of one mode's row: losses within ``tol`` (relative) of the one-device run's;
     gradients within ``tol`` (relative RMS) of them in f32, and in a 16-bit ``--dtype`` no
-    further from the f32 maths than 2x the one-device run is (DESIGN §7's 2x rule: reduction
-    order differs between meshes, so 16-bit gradients differ at their rounding level)."""
+    further from the f32 maths than 2x the one-device run is (the 2x rule of docs/design.md:
+    reduction order differs between meshes, so 16-bit gradients differ at their rounding
+    level)."""
     if row["loss_rel_diff"] > tol:
         return False
     if "grad_floor" in row:
@@ -170,6 +174,9 @@ def bench(args) -> list[dict]:
         tn, losses_n, grads_n = _run(config, args, tokens, mesh)
         loss1, loss_n = losses1[-1], losses_n[-1]
         row = dict(
+            preset=args.preset,
+            layers=config.num_layers,
+            config=" ".join(args.config) or None,
             mode=mode,
             devices=n,
             global_batch=B,
@@ -227,14 +234,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (float32 for exactness)")
     p.add_argument("--tol", type=float, default=5e-3, help="see matches_one_device")
     p.add_argument("--cpu-devices", type=int, default=None)
-    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--json", default="auto", help="results file; auto: benchmarks/results/ on a GPU; none"
+    )
     args = p.parse_args(argv)
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     print(f"devices: {jax.devices()}  preset={args.preset} layers={args.layers} seq={args.seq}")
+    date = results.now()
     rows = bench(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows=rows, args=vars(args)), indent=1))
+    results.write(results.output_path(args.json, "sharding"), "sharding", rows, date=date)
     bad = [r["mode"] for r in rows if not matches_one_device(r, args.tol)]
     if bad:
         raise SystemExit(f"modes {bad} differ from the one-device run (see matches_one_device)")

@@ -1,4 +1,4 @@
-"""Named benchmark shapes (DESIGN §8).
+"""Named benchmark shapes.
 
 ``B4_T4096_H16_HV16_D128`` = batch 4, 4096 tokens, 16 q/k heads, 16 value heads, K = V = 128.
 Decode shapes (``T = None``) are for the single-step kernels, not the chunked op.

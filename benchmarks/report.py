@@ -1,0 +1,343 @@
+"""Regenerates ``benchmarks/RESULTS.md`` (and its plots) from ``benchmarks/results/*.json``.
+
+    python benchmarks/report.py                 # writes benchmarks/RESULTS.md and the PNGs
+    python benchmarks/report.py --out /tmp/R.md --no-plots
+
+Each results file is one run (see :mod:`benchmarks.results`). Per topic the rows of all runs are
+merged by their key fields; every other field comes from the newest run that measured it, and
+each table row names the runs its numbers come from (listed under the table with device, date,
+commit and command). The output depends only on the JSON files, so regenerating it without new
+results reproduces it byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results import KEYS, RESULTS_DIR, TOPICS  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MAX_LINES = 200
+
+
+def load(directory: Path = RESULTS_DIR) -> dict[str, list[dict]]:
+    """The runs of each topic, oldest first (by date, then file name)."""
+    runs: dict[str, list[dict]] = {t: [] for t in TOPICS}
+    for path in sorted(directory.glob("*.json")):
+        doc = json.loads(path.read_text())
+        if doc.get("topic") not in runs:
+            raise ValueError(f"{path}: topic {doc.get('topic')!r} is not one of {TOPICS}")
+        doc["file"] = path.name
+        runs[doc["topic"]].append(doc)
+    for docs in runs.values():
+        docs.sort(key=lambda d: (d["date"], d["file"]))
+        for i, d in enumerate(docs):
+            d["id"] = string.ascii_lowercase[i]
+    return runs
+
+
+def merge(topic: str, docs: list[dict]) -> list[dict]:
+    """Rows of all runs merged by key; each field from the newest run that measured it. Each
+    merged row gets ``runs``: the ids of the runs that contributed a value, oldest first."""
+    keys = KEYS[topic]
+    merged: dict[tuple, dict] = {}
+    for d in docs:
+        for row in d["rows"]:
+            k = tuple(row.get(f) for f in keys)
+            m = merged.setdefault(k, {f: row.get(f) for f in keys} | {"runs": []})
+            took = False
+            for f, v in row.items():
+                if f not in keys and v is not None:
+                    m[f], took = v, True
+            if took and d["id"] not in m["runs"]:
+                m["runs"].append(d["id"])
+    return list(merged.values())
+
+
+def _ms(x, digits=3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _ratio(a, b) -> str:
+    return "—" if a is None or b is None else f"{a / b:.2f}"
+
+
+def _sci(x) -> str:
+    return "—" if x is None else f"{x:.1e}"
+
+
+def _runs_used(rows: list[dict], docs: list[dict]) -> list[dict]:
+    used = {r for row in rows for r in row["runs"]}
+    return [d for d in docs if d["id"] in used]
+
+
+def _run_lines(docs: list[dict]) -> list[str]:
+    out = [""]
+    for d in docs:
+        versions = ", ".join(f"{k} {v}" for k, v in d.get("versions", {}).items())
+        commit = f"commit {d['commit']}" if d.get("commit") else "commit not recorded"
+        note = f"; {d['note']}" if d.get("note") else ""
+        out.append(f"- **{d['id']}**: {d['device']}, {d['date']}, {commit}, {versions}{note}:")
+        out.append(f"  `{d['command']}`")
+    return out
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def ops_section(docs: list[dict]) -> list[str]:
+    rows = [r for r in merge("ops", docs) if r.get("qat") is None]
+    rows.sort(key=lambda r: (r["variant"] != "gdn", r["variant"], r["dtype"], r["shape"]))
+    body = []
+    for r in rows:
+        p, x, f = r.get("pallas_ms"), r.get("xla_ms"), r.get("fla_ms")
+        cells = [r["variant"], r["dtype"], r["shape"], r["mode"], _ms(p), _ms(x), _ms(f)]
+        cells += [_ratio(p, f), _ratio(x, p), _ms(r.get("floor_ms")), ", ".join(r["runs"])]
+        body.append(cells)
+    out = [
+        "## Chunked ops vs FLA",
+        "",
+        "Forward (`fwd`) and forward+backward (`fwdbwd`, `value_and_grad` of `sum(o * do)`) in ms; "
+        "q, k normalised beforehand; JAX: median of batches of back-to-back calls; FLA: "
+        "`triton.testing.do_bench` median, its gated backward forced on for timing only (Triton "
+        "< 3.7.1 refuses it, FLA issue #640). Floor: `max(bytes / 4.07 TB/s, FLOPs / 700 TFLOP/s)` "
+        "from `roofline()` in `bench_gdn.py`.",
+        "",
+    ]
+    out += _table(
+        ["variant", "io", "shape", "mode", "pallas", "xla", "FLA", "pallas/FLA", "xla/pallas",
+         "floor", "runs"], body)  # fmt: skip
+    out += _run_lines(_runs_used(rows, docs))
+    if any(r.get("fla_ms") for r in rows):
+        out += ["", "![ops vs FLA](ops_vs_fla.png)"]
+    qat = [r for r in merge("ops", docs) if r.get("qat") is not None]
+    if qat:
+        base = {(r["shape"], r["mode"]): r.get("pallas_ms") for r in qat if r["qat"] == "off"}
+        body = [
+            [r["shape"], r["mode"], r["qat"], _ms(r.get("pallas_ms")),
+             _ratio(r.get("pallas_ms"), base.get((r["shape"], r["mode"]))), ", ".join(r["runs"])]
+            for r in qat
+        ]  # fmt: skip
+        out += ["", "### QAT cost (GDN, pallas)", ""]
+        out += ["FP8 fake quantisation at the state and `w` sites (`bench_gdn.py --qat`).", ""]
+        out += _table(["shape", "mode", "QAT (state + w)", "pallas ms", "vs off", "runs"], body)
+        out += _run_lines(_runs_used(qat, docs))
+    return out
+
+
+def decode_section(docs: list[dict]) -> list[str]:
+    rows = merge("decode", docs)
+    rows.sort(key=lambda r: (r["B"], r["variant"] != "gdn", r["variant"]))
+    body = []
+    for r in rows:
+        fl = r.get("floor_ms")
+        cells = [r["variant"], str(r["B"]), f"{r['H']}/{r['HV']}", f"{r['K']}/{r['V']}", _ms(fl, 4)]
+        for impl in ("pallas", "xla", "fla"):
+            t = r.get(f"{impl}_ms")
+            cells.append("—" if t is None else f"{t:.4f} ({_ratio(t, fl)})")
+        body.append(cells + [", ".join(r["runs"])])
+    out = [
+        "## Decode step vs FLA and the bandwidth floor",
+        "",
+        "One token appended to each of B carried f32 states, device time per step inside a jitted "
+        "decode loop (state donated); floor = reading and writing the f32 state once at "
+        "4.07 TB/s. In brackets: time / floor. FLA: its `fused_recurrent_*` kernels.",
+        "",
+    ]
+    out += _table(["variant", "B", "H/HV", "K/V", "floor ms", "pallas ms", "xla ms", "FLA ms",
+                   "runs"], body)  # fmt: skip
+    out += _run_lines(_runs_used(rows, docs))
+    if any(r.get("pallas_ms") for r in rows):
+        out += ["", "![decode vs batch](decode_vs_batch.png)"]
+    return out
+
+
+def model_section(docs: list[dict]) -> list[str]:
+    rows = merge("model", docs)
+    rows.sort(key=lambda r: (-(r["layers"] or 0), r["gpu"] is None, r["gpu"] or 0))
+    body = []
+    for r in rows:
+        gib = lambda k, r=r: "—" if r.get(k) is None else f"{r[k]:.2f}"
+        body.append([
+            r["preset"], str(r["layers"]), f"B{r['batch']} T{r['seq']}", r["setting"],
+            "—" if r["gpu"] is None else str(r["gpu"]), _ms(r.get("step_ms"), 2),
+            "—" if r.get("mfu") is None else f"{r['mfu']:.1%}", gib("peak_gib"),
+            gib("device_temp_gib"), gib("host_temp_gib"), _ms(r.get("torch_eager_ms"), 2),
+            _ms(r.get("torch_compile_ms"), 2), ", ".join(r["runs"]),
+        ])  # fmt: skip
+    out = [
+        "## Model train step",
+        "",
+        "One AdamW step (f32 parameters, bf16 compute) of the hybrid LM, median over the run's "
+        "steps after a warm-up, each setting in its own process. Settings "
+        "`<projections>+<remat policy>[+overlap]` (`bench_model.py`); memory from XLA's "
+        "compiled memory analysis (device / host temp) and the device's peak bytes in use. "
+        "The PyTorch columns (transformers' Qwen3.5 with FLA's kernels, eager and "
+        "`torch.compile`) and MFU are empty where not measured.",
+        "",
+    ]
+    out += _table(
+        ["preset", "layers", "shape", "setting", "GPU", "step ms", "MFU", "peak GiB",
+         "device temp GiB", "host temp GiB", "torch eager ms", "torch compile ms", "runs"],
+        body,
+    )  # fmt: skip
+    out += _run_lines(_runs_used(rows, docs))
+    return out
+
+
+def sharding_section(docs: list[dict]) -> list[str]:
+    rows = merge("sharding", docs)
+    order = {"dp": 0, "fsdp": 1, "tp": 2, "cp": 3}
+    rows.sort(key=lambda r: (r["preset"] != "qwen3_5_0_8b", r["preset"], order.get(r["mode"], 9)))
+    body = []
+    for r in rows:
+        name = r["preset"] + (f" ({r['config']})" if r.get("config") else "")
+        f32 = (
+            "—" if r.get("grad_rel_rms_f32") is None
+            else f"{_sci(r['grad_rel_rms_f32'])} / {_sci(r.get('grad_floor'))}"
+        )  # fmt: skip
+        step = (
+            "—" if r.get("step_ms_1") is None
+            else f"{r['step_ms_1']:.1f} → {r['step_ms_n']:.1f}"
+        )  # fmt: skip
+        tok = r.get("tokens_per_s_per_device")
+        body.append([
+            name, "—" if r["layers"] is None else str(r["layers"]), str(r["seq"]), r["mode"],
+            str(r["devices"]), str(r["global_batch"]), _sci(r.get("loss_rel_diff")),
+            _sci(r.get("grad_rel_rms")), f32, step, "—" if tok is None else f"{tok:,.0f}",
+            _ratio(r.get("efficiency"), 1.0), ", ".join(r["runs"]),
+        ])  # fmt: skip
+    out = [
+        "## Sharded training",
+        "",
+        "Each mode on n devices vs the same steps on one device: the largest relative loss "
+        "difference over the compared updates, the gradients' relative RMS difference, and "
+        "(bf16) the distance of the n-device and one-device gradients from the f32 maths (the "
+        "check is n-device ≤ 2× one-device). DP/FSDP scale the global batch with n, TP/CP "
+        "split it; efficiency = t₁ / (n·tₙ).",
+        "",
+    ]
+    out += _table(
+        ["model", "layers", "T", "mode", "n", "global B", "loss rel diff", "grad vs 1 device",
+         "vs f32: n / 1", "step ms 1 → n", "tokens/s/device", "efficiency", "runs"],
+        body,
+    )  # fmt: skip
+    out += _run_lines(_runs_used(rows, docs))
+    return out
+
+
+def render(runs: dict[str, list[dict]]) -> str:
+    """The page for ``runs`` (see :func:`load`)."""
+    out = [
+        "# Benchmark results",
+        "",
+        "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json` (one file "
+        "per run, written by the bench scripts); do not edit by hand. Times in ms. Run letters "
+        "are per section.",
+    ]
+    sections = {"ops": ops_section, "decode": decode_section, "model": model_section,
+                "sharding": sharding_section}  # fmt: skip
+    for topic in TOPICS:
+        if runs[topic]:
+            out += [""] + sections[topic](runs[topic])
+    return "\n".join(out) + "\n"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ops(docs: list[dict], path: Path) -> bool:
+    """Bars of pallas / xla / FLA ms for the bf16 rows that FLA measured; False when none."""
+    rows = [r for r in merge("ops", docs) if r.get("qat") is None and r.get("fla_ms")]
+    rows = [r for r in rows if r["dtype"] == "bfloat16"]
+    if not rows:
+        return False
+    rows.sort(key=lambda r: (r["variant"] != "gdn", r["variant"], r["shape"], r["mode"]))
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 3.6))
+    width = 0.27
+    for i, (impl, label) in enumerate(
+        (("pallas_ms", "pallas"), ("fla_ms", "FLA"), ("xla_ms", "xla"))
+    ):
+        xs = [j + (i - 1) * width for j, r in enumerate(rows) if r.get(impl) is not None]
+        ys = [r[impl] for r in rows if r.get(impl) is not None]
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(rows)))
+    labels = [f"{r['variant']} {r['shape'].split('_H')[0]}\n{r['mode']}" for r in rows]
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (log scale)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def plot_decode(docs: list[dict], path: Path) -> bool:
+    """Decode ms vs batch per variant (pallas, xla, FLA, floor); False when nothing to plot."""
+    rows = merge("decode", docs)
+    if not rows:
+        return False
+    plt = _pyplot()
+    variants = sorted({r["variant"] for r in rows}, key=lambda v: (v != "gdn", v))
+    fig, axes = plt.subplots(1, len(variants), figsize=(4 * len(variants), 3.2), sharey=True)
+    axes = [axes] if len(variants) == 1 else list(axes)
+    for ax, v in zip(axes, variants, strict=True):
+        rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["B"])
+        Bs = [r["B"] for r in rs]
+        for key, label, style in (("floor_ms", "floor", "k--"), ("pallas_ms", "pallas", "o-"),
+                                  ("xla_ms", "xla", "s-"), ("fla_ms", "FLA", "^-")):  # fmt: skip
+            pts = [(b, r.get(key)) for b, r in zip(Bs, rs, strict=True) if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(Bs, [str(b) for b in Bs])
+        ax.set_yscale("log")
+        ax.set_title(v)
+        ax.set_xlabel("batch (sequences)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("ms per decode step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=RESULTS_DIR)
+    p.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--no-plots", action="store_true")
+    a = p.parse_args(argv)
+    runs = load(a.results)
+    text = render(runs)
+    n = text.count("\n")
+    if n > MAX_LINES:
+        raise SystemExit(f"{a.out}: {n} lines, more than {MAX_LINES}: drop superseded runs")
+    a.out.write_text(text)
+    if not a.no_plots:
+        plot_ops(runs["ops"], a.out.parent / "ops_vs_fla.png")
+        plot_decode(runs["decode"], a.out.parent / "decode_vs_batch.png")
+    print(f"wrote {a.out} ({n} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
