@@ -40,7 +40,7 @@ from benchmarks import results  # noqa: E402
 from benchmarks.shapes import CHUNKED, SHAPES  # noqa: E402
 from pallas_kernels import CHUNK as C  # noqa: E402
 
-COPY_BW = 4.07e12  # bytes/s, measured H200 copy bandwidth (mosaic_gpu_notes.md)
+COPY_BW = 4.07e12  # bytes/s, H200 device-to-device copy bandwidth (a large jitted copy)
 MM_RATE = 700e12  # FLOP/s, bf16 dense matmul ceiling used for the floor
 
 

@@ -53,7 +53,7 @@ __all__ = [
     "compiler_options",
 ]
 
-# Residuals of the chunked core's backward (DESIGN §4).
+# Residuals of the chunked core's backward (docs/design.md).
 GDN_GATE_CUMSUM = "gdn_gate_cumsum"  # chunk-local cumulative log-decay, f32
 GDN_A = "gdn_A"  # (I + strict_tril(β K Kᵀ ⊙ decay))⁻¹ per chunk
 GDN_CHUNK_STATES = "gdn_chunk_states"  # state entering each chunk, f32 [.., HV, K, V]
@@ -78,14 +78,14 @@ ACTIONS: tuple[Action, ...] = ("save", "offload", "remat")
 
 
 def _pin(a: jax.Array) -> jax.Array:
-    # Why (measured on the H200, docs/fp8_remat.md): without a pin XLA may keep a named tensor
+    # Why (scripts/gpu_equivalence.py on the H200): without a pin XLA may keep a named tensor
     # in another form when it stays on the device (a transposed copy, operands merged into other
     # GEMMs) than when it must go to host memory as itself, so "save" and "offload" compiled to
     # different fusions and differed at rounding level (0.19 % in the first gradients). The
     # barrier makes the named value itself materialise, the layout constraint fixes it row-major,
     # so every policy sees the same forward and backward programs (bitwise on the H200 for
-    # bf16, native and TE FP8). Cost: no fusion across the named points (step times in
-    # benchmarks/RESULTS.md, session 7).
+    # bf16, native and TE FP8). Cost: no fusion across the named points (step times:
+    # benchmarks/bench_model.py).
     a = jax.lax.optimization_barrier(a)
     return with_layout_constraint(a, Layout(tuple(range(a.ndim))))
 
@@ -237,10 +237,10 @@ def spec_from_flags(remat: str = "save", offload: str | Sequence[str] | None = N
 # XLA's GPU latency-hiding scheduler treats the host<->device copies of offloaded tensors as
 # async work to overlap, with no limit on copies in flight and a memory limit of the whole
 # device: it starts the copies back to the device as early as it can, so every layer's offloaded
-# residuals are on the device again together with the forward's. Measured on the H200 (24-layer
-# qwen3_5_0_8b train step, B2 T2048, benchmarks/RESULTS.md session 8): offloading every named
-# tensor took device temp memory from 5.50 GiB (save) up to 13.69 GiB with the scheduler, down to
-# 3.53 GiB without it (step 182 vs 145 ms; save: 99.5 ms).
+# residuals are on the device again together with the forward's. benchmarks/bench_model.py on
+# the H200 (24-layer qwen3_5_0_8b train step, B2 T2048): offloading every named tensor takes
+# device temp memory from 5.50 GiB (save) to 13.69 GiB with the scheduler
+# (bf16+offloadall+overlap) and to 3.53 GiB without it (bf16+offloadall; benchmarks/RESULTS.md).
 _SERIAL_COPIES = {"xla_gpu_enable_latency_hiding_scheduler": False}
 
 

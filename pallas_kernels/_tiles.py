@@ -45,7 +45,7 @@ def unit_lower_inverse(L: jax.Array, x_s, oy_s, dtype) -> jax.Array:
     Block doubling ``X ← X − X (O_s X)`` for s = 1, 2, …, 32, where O_s is L restricted to the
     lower-left s×s block of each 2s×2s diagonal block: every intermediate is a block of the true
     inverse, so magnitudes stay bounded (the product form (I−L)(I+L²)… is numerically unusable,
-    mosaic notes §2). Wgmma operands are ``dtype`` (16-bit), everything else f32.
+    docs/design.md). Wgmma operands are ``dtype`` (16-bit), everything else f32.
 
     Args:
       L: [C, C] f32 in the WGMMA layout, zero on and above the diagonal.

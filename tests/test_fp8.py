@@ -367,7 +367,7 @@ def test_native_compiles_to_fp8_gemms(shape):
     """On the H200 the native backend's forward and both backward products are FP8 tensor-core
     GEMMs, never upcast BF16 ones. At the model's MLP shape ([2, 2048, 1024] x [1024, 3584])
     they are cuBLASLt FP8 GEMMs (``__cublas$lt$matmul$f8``); at a tiny shape XLA's autotuner
-    may pick its Triton FP8 GEMM fusion instead (measured in session 7), which is still FP8."""
+    may pick its Triton FP8 GEMM fusion instead, which is still FP8."""
     if shape == "tiny":
         x, w = _xw(jnp.bfloat16)
     else:

@@ -1,6 +1,6 @@
 """Chunked (WY) form of GDN, KDA and GDN2 in pure JAX, one function per kernel stage.
 
-The stages (DESIGN §3, research/algorithms.md §1.3) work on chunked tensors ``[L, NC, C, HV, D]``
+The stages (docs/design.md) work on chunked tensors ``[L, NC, C, HV, D]``
 (see :class:`gdn_jax.reference._common.ChunkLayout`):
 
 1. :func:`gate_cumsum`       G = chunk-local cumulative log-decay (f32).
@@ -70,9 +70,10 @@ def gate_cumsum(g: jax.Array) -> jax.Array:
     """Chunk-local inclusive cumulative sum of the log-decay.
 
     A product with the lower-triangular ones matrix of each chunk, in f32 (HIGHEST precision):
-    XLA lowers ``cumsum`` on the GPU to reduce-windows over a transposed copy, which took 0.16 ms
-    forward and 0.36 ms backward at B4 T4096 HV16 K128 on the H200 (benchmarks/RESULTS.md,
-    session 6); the product reads and writes each tensor once, its transpose likewise.
+    XLA lowers ``cumsum`` on the GPU to reduce-windows over a transposed copy (0.16 ms forward,
+    0.36 ms backward at B4 T4096 HV16 K128 on the H200 in a ``jax.profiler`` trace of
+    ``bench_gdn.py --variant kda``); the product reads and writes each tensor once, its transpose
+    likewise.
 
     Args:
       g: [L, NC, C, ...] per-token log-decay (e.g. [L, NC, C, HV, Kg]; padding rows are 0).

@@ -1,7 +1,7 @@
 """Token-by-token recurrences: the semantic oracle for GDN, KDA and GDN2.
 
 All three are one recurrence with a per-key-channel decay ``g``, an erase gate ``b`` over K and a
-write gate ``w`` over V (DESIGN §3)::
+write gate ``w`` over V (docs/design.md)::
 
     S <- Diag(exp(g_t)) S
     v' = w_t * v_t - S^T (b_t * k_t)
@@ -14,7 +14,7 @@ GDN is ``g`` scalar per head and ``b = w = beta``; KDA is ``g`` per key channel 
 Precision: the state is f32. The products with the state (``S^T k``, ``S^T q``) take their operands
 in the io dtype of ``v`` (the state is rounded to it, as a tensor-core operand would be) and
 accumulate in f32. With f32 inputs everything is f32: that is the oracle. With bf16/f16 inputs this
-is "the reference run in that dtype" of the 2x tolerance rule (DESIGN §7).
+is "the reference run in that dtype" of the 2x tolerance rule (docs/design.md).
 """
 
 from __future__ import annotations

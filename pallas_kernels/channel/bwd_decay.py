@@ -21,7 +21,7 @@ small f32 SMEM tables (the same ones the forward's intra kernel reads).
 bf16 io: the factored operand (Y or X times a decay factor, [C, K]) is staged as bf16 hi + lo
 (two wgmma passes through one scratch tile) and D is a plain bf16 tile.
 
-f16 io (DESIGN §3): a factored operand reaches ``e^{8 d}`` and spans ``e^{15 d}``
+f16 io (docs/design.md): a factored operand reaches ``e^{8 d}`` and spans ``e^{15 d}``
 within a sub-chunk, beyond f16's range (65504) and dynamic range even with per-column scales, so
 it is staged as a **bf16** hi/lo pair (f32 range, ~16-bit precision). wgmma needs both operands
 of one instruction in one dtype, so D (computed in f32 by the kernels) is staged as a bf16 hi/lo

@@ -14,7 +14,7 @@ tile is formed here:
 The per-key-channel decay of dH is a row scaling of the tile. dv2 is written as two 16-bit terms
 (hi + lo ≈ f32) so the later stages can use it as a tensor-core operand without losing precision.
 
-f16 io (DESIGN §3: an f32 state gradient is never staged through plain f16, whose maximum is
+f16 io (docs/design.md: an f32 state gradient is never staged through plain f16, whose maximum is
 65504): dH, the B operand of ``kg dH``, is staged as f16 with one scale per V column
 (:func:`pallas_kernels.gdn.fake_quant.f16_stage_scales`) and the product's columns are multiplied
 back by the scales in f32, as in :mod:`pallas_kernels.gdn.chunk_bwd_dh`; dh is written in f32
@@ -49,7 +49,7 @@ def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0
     iv, hv, b, cols = v_block_coords(BV)
     K = kg_g.shape[-1]
     dt = kg_g.dtype
-    # f16 io: dH is staged with one scale per column and dh is written in f32 (DESIGN §3)
+    # f16 io: dH is staged with one scale per column and dh is written in f32 (docs/design.md)
     scaled = dt == jnp.float16
 
     def load_dht(st_s, bar):

@@ -25,7 +25,7 @@ register spills of the [64, 128] form, and the scratch is cut from 221 KiB to 10
 V = 128 (108 KiB sliced; two scoped phases share the space, see :func:`_dqkw_ksplit_body`), so
 two CTAs fit on an SM (228 KiB) and hide each other's latency.
 
-f16 io (DESIGN §3): h and dh arrive in **f32** (the state kernels store them f32 for f16 io;
+f16 io (docs/design.md): h and dh arrive in **f32** (the state kernels store them f32 for f16 io;
 an f16 h/dh is accepted too) and are staged as f16 with one scale per row of the state
 (scaled f16 staging, :func:`pallas_kernels.gdn.fake_quant.f16_stage_scales`); the products with h or
 dh (do hᵀ, dv2 hᵀ, v_new dhᵀ) have the state's rows as their columns and are multiplied back by
@@ -195,8 +195,8 @@ def _dqkw_body(
 
 def _stage_state(st_s, bar, h_s, sc_s) -> None:
     """f16 io: waits for the state tile ``st_s`` ([R, V], f32 as stored) on ``bar`` and stages
-    it into the f16 tile ``h_s`` with one scale per row (DESIGN §3: a state is never cast to f16
-    unscaled); the scales go to the f32 SMEM vector ``sc_s`` [R]. Ends with a commit, so every
+    it into the f16 tile ``h_s`` with one scale per row (docs/design.md: a state is never cast to
+    f16 unscaled); the scales go to the f32 SMEM vector ``sc_s`` [R]. Ends with a commit, so every
     thread has read ``st_s`` (it may take the next load) and ``h_s`` is visible to wgmma."""
     plgpu.barrier_wait(bar)
     x = cp.load_tile(st_s).astype(f32)

@@ -17,7 +17,7 @@ du = dv2 (from :mod:`bwd_dh`, as two 16-bit terms hi + lo):
 with D_ij = e^{G_id − G_jd}. GDN2 writes db [C, K] and dw_gate [C, V] per element; KDA writes
 dβ = Σ_d db + Σ_v dw_gate per row.
 
-f16 io (DESIGN §3): the decayed "rows"/"cols" products take dL and the factored
+f16 io (docs/design.md): the decayed "rows"/"cols" products take dL and the factored
 operand as bf16 hi/lo pairs (:mod:`bwd_decay`), in three bf16 tiles of their own (dL hi, dL lo,
 the operand scratch); every other product keeps f16 operands (bk ⊙ e^G and w_gate ⊙ v are
 bounded by |bk|, |v| as G ≤ 0); the f32 gradients dA and dA Aᵀ go through their f16 tile as
@@ -93,8 +93,8 @@ def _neg_inverse_product(dec, m_s, a_s, dA) -> jax.Array:
     rounded to 16 bits once, by the caller (the rounding its two uses share).
 
     f16 io (``m_s`` f16): dA and dA Aᵀ are f32 gradients, so they are staged with one scale per
-    row of dA and per column of dA Aᵀ (the rows / columns its product keeps; DESIGN §3), and the
-    products are multiplied back in f32."""
+    row of dA and per column of dA Aᵀ (the rows / columns its product keeps; docs/design.md), and
+    the products are multiplied back in f32."""
     C = dA.shape[0]
     scaled = m_s.dtype == jnp.float16
     if scaled:
@@ -300,8 +300,8 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
 
     Peak (persistent + pass 4): 91 832 B ≈ 90 KiB (GDN2) / 75 680 B ≈ 74 KiB (KDA), against
     215 928 B / 183 376 B unsplit (by the same count), so two CTAs share an SM (228 KiB); alignment
-    padding comes on top. Measured on the H200 (B=4, T=4096, HV=16): 2.0–2.4 ms (KDA) and
-    2.9–3.1 ms (GDN2) against 4.3–4.9 ms unsplit; ptxas still reports 255 registers with
+    padding comes on top. ``bench_gdn.py --stages`` on the H200 (B=4, T=4096, HV=16): 2.0–2.4 ms
+    (KDA) and 2.9–3.1 ms (GDN2) against 4.3–4.9 ms unsplit; ptxas reports 255 registers with
     100–290 bytes of spills (unsplit: 3–4.4 KB).
 
     f16 io: the dA/dL tile leaves the persistent scope; in pass 4 dA's f16 staging tile (8 KiB)

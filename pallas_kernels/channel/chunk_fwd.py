@@ -9,13 +9,13 @@ intra stage's outputs (:func:`pallas_kernels.channel.intra.channel_intra`):
     S     ← Diag(e^{G_last}) S + kgᵀ v_new                  kg = k e^{G_last − G}
 
 The per-key-channel decay of the state is a row scaling of the state tile (WGMMA layout, vector
-loaded with ``WGMMA.reduce(1)``; mosaic notes §3). The state is cast to the io dtype once per
+loaded with ``WGMMA.reduce(1)``). The state is cast to the io dtype once per
 chunk into one SMEM tile, the B operand of both ``w S`` and ``qg S``. With ``store_h`` the same loop
 writes the state entering each chunk (h) and v_new instead of o: the backward's recomputation.
 Padded rows (zero qg, kg, w, u and Aqk rows/columns) leave S unchanged; e^{G_last} must be the
 decay at the chunk's last valid row (padded rows repeat it).
 
-f16 io (DESIGN §3: an f32 state is never staged through plain f16, whose maximum is 65504): the
+f16 io (docs/design.md: an f32 state is never staged through plain f16, whose maximum is 65504): the
 state tile is staged as f16 with one scale per V column (:func:`pallas_kernels.gdn.fake_quant.
 f16_stage_scales`, each column's amax at 2^14), and the columns of ``w S`` and ``qg S`` are
 multiplied back by the scales in f32, as in :mod:`pallas_kernels.gdn.chunk_fwd`. With
@@ -77,7 +77,7 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
     dt = kg_g.dtype
     n_groups = 2 if store_h else 1  # TMA store groups issued per step
     # f16 io: the state is staged with one scale per column (its range is kept) and the backward's
-    # h is written in f32 (DESIGN §3: never stage the state through plain f16)
+    # h is written in f32 (docs/design.md: never stage the state through plain f16)
     scaled = dt == jnp.float16
     # f16 forward: one o tile, so that K = block_v = 128 fits in SMEM with the scale reductions
     o_single = scaled and not store_h

@@ -45,7 +45,7 @@ def _dqkw_body(
     c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = q_g.shape[-1], vn_g.shape[-1]
     dt = q_g.dtype
-    # f16 io: h and dh arrive in f32 and are staged as f16 with one scale per row (DESIGN §3)
+    # f16 io: h and dh arrive in f32 and are staged as f16 with one scale per row (docs/design.md)
     scaled = dt == jnp.float16
     nkb = K // C
 

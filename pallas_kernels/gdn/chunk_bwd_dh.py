@@ -42,7 +42,7 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
     hk = hv // group
     K = k_g.shape[-1]
     dt = k_g.dtype
-    # f16 io: dH is staged as f16 with one scale per column and written in f32 (DESIGN §3); the
+    # f16 io: dH is staged as f16 with one scale per column and written in f32 (docs/design.md); the
     # extra f32 tile fits in SMEM only with single-buffered stores
     scaled = dt == jnp.float16
     nbuf = 1 if scaled or packed else 2

@@ -91,7 +91,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
     store_h = cfg.store_h
     n_groups = 2 if store_h else 1  # TMA store groups issued per step
     # f16 io: the state is staged as f16 with one scale per column (its range is kept), and the
-    # backward's h is written in f32 (DESIGN §3: never stage the state through plain f16)
+    # backward's h is written in f32 (docs/design.md: never stage the state through plain f16)
     scaled = dt == jnp.float16
 
     def load_h0(h0_s, bar):

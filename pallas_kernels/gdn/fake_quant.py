@@ -65,7 +65,7 @@ def fake_quant_e4m3(x: jax.Array, groups: str) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# f16 staging of f32 state tiles (not a quantiser: keeps the state's range, see DESIGN §3)
+# f16 staging of f32 state tiles (not a quantiser: keeps the state's range, see docs/design.md)
 
 F16_STAGE_AMAX = 2.0**14  # a staged group's amax: f16 (max 65504) with room for rounding
 
@@ -74,7 +74,7 @@ def f16_stage_scales(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """Per-group scales to stage an f32 tile as an f16 wgmma operand without losing its range.
 
     f16 overflows at 65504 and flushes below ~6e-8, so an f32 state cannot be cast to f16
-    directly (DESIGN §3). Each group (row or column) is multiplied by ``inv`` so that its amax
+    directly (docs/design.md). Each group (row or column) is multiplied by ``inv`` so that its amax
     becomes 2^14 before the cast, and the product's result is multiplied back by ``scale``
     (``inv * scale = 1`` to f32 rounding): f16's 11-bit precision relative to each group's amax,
     whatever its magnitude.

@@ -1,9 +1,9 @@
 """f16 io in the channel-decay backward kernels ``channel_bwd_dqkw`` and ``channel_bwd_wy``.
 
-DESIGN §3: with f16 io the decayed "rows"/"cols" products (:mod:`pallas_kernels.channel.bwd_decay`)
-stage both operands as bf16 hi/lo pairs (the factored operands reach ``e^{8 d}``,
-far beyond f16's 65504), and bwd_dqkw stages the f32 states h and dh as f16 with one scale per
-row (scaled f16 staging). Checked here:
+docs/design.md: with f16 io the decayed "rows"/"cols" products
+(:mod:`pallas_kernels.channel.bwd_decay`) stage both operands as bf16 hi/lo pairs (the factored
+operands reach ``e^{8 d}``, far beyond f16's 65504), and bwd_dqkw stages the f32 states h and dh as
+f16 with one scale per row (scaled f16 staging). Checked here:
 
 - CPU interpreter at tiny shapes against the kernels' formulas in f32 jnp
   (:func:`test_channel_pallas_bwd._kernel_refs`) on the same f16 inputs, with log-decays of −5 per

@@ -3,7 +3,7 @@
 (:mod:`pallas_kernels.channel.bwd_dh`).
 
 With f16 io the f32 state S (forward) and state gradient dH (backward) are staged as the f16 B
-operand of their products with one scale per V column (DESIGN §3: never through plain f16, max
+operand of their products with one scale per V column (docs/design.md: never through plain f16, max
 65504), and the per-chunk h / dh are written in f32. Checked here:
 
 - numerics (CPU interpreter, tiny shapes): each kernel against its stage equations in f32 jnp,
@@ -100,7 +100,7 @@ def _plain_f16(x):
 def fwd_ref(x, h0, scale, *, plain_f16=False):
     """chunk_fwd's equations in f32: (o, final state, h, v_new), o / v_new [N, T, HV, V], h
     [N, T/64, HV, K, V]. ``plain_f16``: the state operand of ``w S`` and ``qg S`` cast to f16
-    (the staging DESIGN §3 rules out; the negative control)."""
+    (the staging docs/design.md rules out; the negative control)."""
     N, T, HV, K = x["kg"].shape
     nt = T // 64
     qg, kg, w, u, aqk = (_c5(x[n], nt) for n in ("qg", "kg", "w", "u", "aqk"))

@@ -2,7 +2,7 @@
 CUDA lowering, GPU accuracy/robustness at realistic shapes.
 
 Forward and backward run on the kernels of :mod:`pallas_kernels.channel` through the public ops.
-GPU tests (``-m gpu``, on an H200) apply the 2x rule (:func:`gdn_jax.testing.check_2x`) against
+GPU tests (``-m gpu``, on an H200) apply the 2x rule (docs/design.md) against
 the f32 recurrent oracle: error(kernel) <= 2 * error(oracle run in the io dtype).
 """
 

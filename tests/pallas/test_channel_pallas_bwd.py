@@ -7,7 +7,7 @@ driver :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`. Three le
 - kernels: each backward launch against its formulas in jnp;
 - core: the backward driver against the VJP of the xla chunked core on the same padded lanes,
   with the 2x rule against that core run in f32 (cheap, isolates the kernels);
-- op: every gradient of the public op against the f32 recurrent oracle (2x rule of DESIGN §7),
+- op: every gradient of the public op against the f32 recurrent oracle (2x rule of docs/design.md),
   through the glue (l2norm, GVA, padding, packed sequences, initial/final states).
 """
 
@@ -93,7 +93,7 @@ def op_grads(fn, variant, x, cu, dtype, cts, *, jit=True):
 
 
 def check_op(variant, x, cu, cts, *, floor=1e-5, jit=True):
-    """2x rule of DESIGN §7 for every gradient of the op (bf16 io). o and the final state come
+    """2x rule of docs/design.md for every gradient of the op (bf16 io). o and the final state come
     from the forward kernels: reported here, asserted by tests/pallas/test_channel_pallas.py."""
     ref32 = op_grads(RECURRENT[variant], variant, x, cu, f32, cts, jit=jit)
     ref_lo = op_grads(RECURRENT[variant], variant, x, cu, jnp.bfloat16, cts, jit=jit)

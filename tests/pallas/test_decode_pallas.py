@@ -3,7 +3,7 @@
 CPU: the kernel under the Mosaic GPU interpreter at tiny shapes against the f32 token recurrence
 (the xla step on upcast inputs), extreme gates, the selector, donation/aliasing and the CUDA
 lowering. GPU (``-m gpu``, H200): serving shapes against the f32 recurrence with the 2x rule of
-DESIGN §7, the state updated in place (same buffer, no copy in the compiled HLO), and packed
+docs/design.md, the state updated in place (same buffer, no copy in the compiled HLO), and packed
 prefill followed by decode steps equal to one long prefill.
 """
 

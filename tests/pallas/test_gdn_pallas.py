@@ -3,7 +3,8 @@
 CPU tests run the kernels under the Mosaic GPU interpreter at tiny shapes (~1-10 s each) and lower
 the whole op (forward and backward) for CUDA to check that every kernel is a Mosaic GPU custom call.
 GPU tests (``-m gpu``, on an H200) compare against the f32 recurrent oracle at realistic shapes
-with the 2x rule of DESIGN §7: error(kernel, f32 oracle) <= 2 * error(oracle run in the io dtype).
+with the 2x rule (docs/design.md): error(kernel, f32 oracle) <= 2 * error(oracle run in the io
+dtype).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def test_interpret_packed_one_lane():
 
 def test_interpret_f16():
     """f16 io: the kernels stage the f32 state (and its gradient) as f16 with per-column/row
-    scales and pass h, dh in f32, so the state keeps its range (DESIGN §3)."""
+    scales and pass h, dh in f32, so the state keeps its range (docs/design.md)."""
     x, cu, cts = _case(0, 1, 100, 1, 2, 64, 64, None)
     with pk.use_mode("interpret"):
         try:

@@ -3,7 +3,7 @@
 The fake-quantised references are the xla path's (``gdn_jax.reference.chunked`` with ``qat``) and,
 for the state site alone, the token recurrence quantised every 64 tokens. FP8 rounding amplifies
 tiny operand differences (a bf16-level change can flip an e4m3 rounding), so implementations are
-compared by the 2x rule of DESIGN §7 against the f32 fake-quantised reference: error(pallas) <=
+compared by the 2x rule (docs/design.md) against the f32 fake-quantised reference: error(pallas) <=
 2 * error(reference run in the io dtype, QAT on). The quantiser itself is checked bitwise against
 ``gdn_jax.qat.fake_quant``.
 """
