@@ -523,7 +523,9 @@ def load_hf_model(
         if mesh is not None:
             rules_ = sharding_lib.logical_axis_rules(mesh)
             flat = nnx.to_flat_state(sharding_lib.model_shardings(abstract, mesh, rules_))
-            shardings = {tuple(p): s for p, s in flat}
+            shardings = {
+                tuple(p): s.get_value() if isinstance(s, nnx.Variable) else s for p, s in flat
+            }
         values: dict[Path_, jax.Array] = {}
         for rule in rules:
             pieces = rule.split(ckpt.read(rule.key))

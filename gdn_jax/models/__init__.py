@@ -1,7 +1,7 @@
 """A hybrid LM (GDN layers + gated softmax attention; Qwen3.5 configs), its presets, generation."""
 
 from gdn_jax.models.attention import GatedAttention, KVCache
-from gdn_jax.models.generate import generate, sample_logits
+from gdn_jax.models.generation import generate, sample_logits
 from gdn_jax.models.hybrid import (
     PRESETS,
     DecoderLayer,
