@@ -386,3 +386,32 @@ def test_loader_errors(ckpt_a, tmp_path):
     with pytest.raises(NotImplementedError, match="zero_centered_norm"):
         tiny = nnx.eval_shape(lambda: HybridLM(get_config("tiny", num_layers=1), rngs=nnx.Rngs(0)))
         save_hf_model(tiny, tmp_path)
+
+
+def test_transformers_runs_our_checkpoints(model_a, ckpt_a, ckpt_b, tmp_path):
+    """Where torch and transformers are installed (the GPU machine): transformers' own
+    Qwen3_5ForCausalLM (on the CPU, f32) matches the NumPy reference on the test checkpoints,
+    loads what save_hf_model writes (both kinds' sources), and matches our model."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    ids = np.random.default_rng(5).integers(0, 64, (2, 41))
+
+    def hf_logits(path):
+        m = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        with torch.no_grad():
+            return m.eval()(torch.as_tensor(ids[:, :-1])).logits.double().numpy()
+
+    want_a = ref.forward(CONFIG_A, ckpt_a[1], ids[:, :-1])
+    assert rel_rms(hf_logits(ckpt_a[0]), want_a) <= 1e-5
+    save_hf_model(model_a, tmp_path / "a")
+    assert rel_rms(hf_logits(tmp_path / "a"), want_a) <= 1e-5
+    save_hf_model(load_hf_model(ckpt_b[0]), tmp_path / "b")
+    ids_b = ids % 80
+    want_b = ref.forward(CONFIG_B, ckpt_b[1], ids_b[:, :-1])
+    ids = ids_b
+    assert rel_rms(hf_logits(tmp_path / "b"), want_b) <= 1e-5
+    with jax.default_matmul_precision("highest"):
+        ours, _ = _logits_and_loss(
+            model_a, jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 41)))
+        )
+    assert rel_rms(ours, want_a) <= 1e-5

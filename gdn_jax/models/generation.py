@@ -68,7 +68,7 @@ def sample_logits(
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _prefill(graphdef, state, cache, tokens):
     model = nnx.merge(graphdef, state)
-    logits, cache = model.extend(tokens, cache)
+    logits, cache = model.extend(tokens, cache, last_only=True)
     return logits[:, -1], cache
 
 

@@ -517,7 +517,9 @@ class HybridLM(nnx.Module):
         )
         return HybridCache(layers=layers, pos=jnp.zeros((), jnp.int32))
 
-    def extend(self, tokens: jax.Array, cache: HybridCache) -> tuple[jax.Array, HybridCache]:
+    def extend(
+        self, tokens: jax.Array, cache: HybridCache, *, last_only: bool = False
+    ) -> tuple[jax.Array, HybridCache]:
         """Append T >= 1 tokens to every sequence (prefill, then decode token by token).
 
         Any split of a sequence into ``extend`` calls gives the logits one ``__call__`` gives.
@@ -525,12 +527,16 @@ class HybridLM(nnx.Module):
         Args:
           tokens: [B, T] int token ids.
           cache: from :meth:`init_cache` or a previous ``extend``.
+          last_only: compute the logits of the last position only (a prefill that samples the
+            next token needs no others).
         Returns:
-          logits [B, T, vocab] f32 and the updated cache.
+          logits [B, T, vocab] f32 ([B, 1, vocab] with ``last_only``) and the updated cache.
         """
         x = self.embed(tokens)
         new = []
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x, layer_cache = layer.extend(x, layer_cache, cache.pos)
             new.append(layer_cache)
+        if last_only:
+            x = x[:, -1:]
         return self._logits(x), HybridCache(tuple(new), cache.pos + tokens.shape[1])
