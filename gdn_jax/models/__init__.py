@@ -1,6 +1,7 @@
-"""A small hybrid LM (GDN layers + gated softmax attention every 4th layer) and its presets."""
+"""A hybrid LM (GDN layers + gated softmax attention; Qwen3.5 configs), its presets, generation."""
 
 from gdn_jax.models.attention import GatedAttention, KVCache
+from gdn_jax.models.generation import generate, sample_logits
 from gdn_jax.models.hybrid import (
     PRESETS,
     DecoderLayer,
@@ -20,5 +21,7 @@ __all__ = [
     "HybridLM",
     "PRESETS",
     "SwiGLU",
+    "generate",
     "get_config",
+    "sample_logits",
 ]

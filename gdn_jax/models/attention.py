@@ -61,6 +61,8 @@ class GatedAttention(nnx.Module):
       partial_rotary_factor: fraction of ``head_dim`` that gets rotary embeddings.
       rope_theta: RoPE base.
       norm_eps: epsilon of the q/k RMSNorms.
+      zero_centered_norm: the q/k RMSNorms scale by ``1 + weight`` (Qwen3.5; see
+        :class:`gdn_jax.nn.RMSNorm`).
       dtype: compute dtype; param_dtype: parameter dtype; rngs: init randomness.
       fp8, fp8_recipe: FP8 backend of the projections (gdn_jax.fp8).
     """
@@ -75,6 +77,7 @@ class GatedAttention(nnx.Module):
         partial_rotary_factor: float = 0.25,
         rope_theta: float = 10_000_000.0,
         norm_eps: float = 1e-6,
+        zero_centered_norm: bool = False,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         fp8: str | None = None,
@@ -97,8 +100,8 @@ class GatedAttention(nnx.Module):
         self.k_proj = dense(D, NKV * Dh, (EMBED, KV_HEADS), **pkw)
         self.v_proj = dense(D, NKV * Dh, (EMBED, KV_HEADS), **pkw)
         self.o_proj = dense(N * Dh, D, (HEADS, EMBED), **pkw)
-        self.q_norm = RMSNorm(Dh, eps=norm_eps, **kw)
-        self.k_norm = RMSNorm(Dh, eps=norm_eps, **kw)
+        self.q_norm = RMSNorm(Dh, eps=norm_eps, zero_centered=zero_centered_norm, **kw)
+        self.k_norm = RMSNorm(Dh, eps=norm_eps, zero_centered=zero_centered_norm, **kw)
 
     def __call__(
         self, x: jax.Array, *, positions: jax.Array, mask: jax.Array | None = None

@@ -1,16 +1,21 @@
 """A hybrid decoder LM: Gated DeltaNet layers with gated softmax attention every few layers.
 
 Layer ``i`` is softmax attention iff ``(i + 1) % full_attention_interval == 0`` (Qwen3.5: layers
-3, 7, 11, ... of 0-based indices, 3 GDN : 1 attention), GDN otherwise. Each layer is pre-norm::
+3, 7, 11, ... of 0-based indices, 3 GDN : 1 attention), GDN otherwise; ``layer_pattern`` gives
+any other pattern. Each layer is pre-norm::
 
     h = x + mixer(RMSNorm(x));  y = h + SwiGLU(RMSNorm(h))
+
+:meth:`HybridConfig.from_hf` / :meth:`HybridConfig.to_hf` translate Hugging Face Qwen3.5 configs;
+a model built from one computes what transformers' ``Qwen3_5ForCausalLM`` computes
+(``gdn_jax.convert.load_hf_model`` loads the weights).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,13 +64,21 @@ class HybridConfig:
       linear_num_heads, linear_num_v_heads, linear_head_dim, linear_v_head_dim: GDN layer heads
         (q/k heads H, value heads HV, K, V).
       attn_num_heads, attn_num_kv_heads, attn_head_dim: softmax-attention heads.
-      partial_rotary_factor, rope_theta: rotary embedding of the attention layers.
+      partial_rotary_factor, rope_theta: rotary embedding of the attention layers (the first
+        ``int(attn_head_dim * partial_rotary_factor)`` dims of each head, base ``rope_theta``).
       full_attention_interval: every n-th layer is softmax attention; 0 means GDN only.
       variant: GDN variant of the linear layers ("gdn", "kda", "gdn2").
       conv_kernel: short-conv taps of the GDN layers.
       chunk_size: chunk length of the GDN layers' chunked core.
       norm_eps: epsilon of every RMSNorm.
       tie_embeddings: the LM head reuses the embedding matrix.
+      layer_pattern: ``"linear"`` or ``"attention"`` per layer (``num_layers`` entries); when
+        given it replaces ``full_attention_interval``.
+      zero_centered_norm: the decoder, final and attention q/k RMSNorms scale by
+        ``1 + weight`` (weights start at 0), as Qwen3.5 does; the GDN output norm always
+        multiplies by its weight directly.
+      max_position_embeddings, bos_token_id, eos_token_id, pad_token_id: carried to and from HF
+        configs (``eos_token_id`` is what :func:`gdn_jax.models.generate` stops at when asked).
     """
 
     vocab_size: int
@@ -87,14 +100,72 @@ class HybridConfig:
     chunk_size: int = 64
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    layer_pattern: tuple[str, ...] | None = None
+    zero_centered_norm: bool = False
+    max_position_embeddings: int = 262_144
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.layer_pattern is not None:
+            pattern = tuple(self.layer_pattern)
+            object.__setattr__(self, "layer_pattern", pattern)  # lists become hashable tuples
+            if len(pattern) != self.num_layers or not set(pattern) <= {"linear", "attention"}:
+                raise ValueError(
+                    f"layer_pattern={pattern}: expected {self.num_layers} (num_layers) entries "
+                    "of 'linear' or 'attention'"
+                )
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
     @property
     def layer_types(self) -> tuple[str, ...]:
         """``"attention"`` or ``"linear"`` per layer."""
+        if self.layer_pattern is not None:
+            return self.layer_pattern
         n = self.full_attention_interval
         return tuple(
             "attention" if n and (i + 1) % n == 0 else "linear" for i in range(self.num_layers)
         )
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], **overrides) -> HybridConfig:
+        """The config of a Hugging Face Qwen3.5 dense checkpoint (its ``config.json`` as a dict).
+
+        Accepts a text config (``model_type`` ``"qwen3_5_text"``, ``Qwen3_5ForCausalLM``) or a
+        composite one (``"qwen3_5"``, ``Qwen3_5ForConditionalGeneration``: the ``text_config``
+        is used; the LM head is tied per the top-level ``tie_word_embeddings`` when present).
+        Keys a config leaves out take transformers' ``Qwen3_5TextConfig`` defaults. RoPE:
+        ``rope_parameters`` (``rope_theta``, ``partial_rotary_factor``; legacy top-level keys
+        are read too). Text-only positions make the multimodal RoPE (``mrope_section``) equal
+        plain RoPE: all three of its position streams are the token index.
+
+        Args:
+          config: the parsed ``config.json``.
+          overrides: fields of this class to set on top (e.g. ``chunk_size``).
+        Returns:
+          The config; a model built from it computes what transformers computes.
+        Raises:
+          NotImplementedError: MoE models (``qwen3_5_moe``, ``qwen3_next``) and options this
+            model does not implement (non-default ``rope_type``, ``attention_bias``, a
+            ``hidden_act`` other than silu, no attention output gate, an odd rotary dim).
+          ValueError: an unknown ``model_type`` or ``layer_types`` entry.
+        """
+        from gdn_jax.models._hf_config import config_from_hf
+
+        return config_from_hf(cls, config, overrides)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``config.json`` of a ``Qwen3_5ForCausalLM`` with this shape (no ``dtype`` key).
+
+        Raises:
+          NotImplementedError: the config has no Qwen3.5 equivalent (a variant other than
+            ``"gdn"``, or ``zero_centered_norm=False``).
+        """
+        from gdn_jax.models._hf_config import config_to_hf
+
+        return config_to_hf(self)
 
 
 PRESETS: dict[str, HybridConfig] = {
@@ -112,7 +183,8 @@ PRESETS: dict[str, HybridConfig] = {
         attn_num_kv_heads=1,
         attn_head_dim=32,
     ),
-    # Qwen3.5-0.8B's shape (about 0.75B parameters with tied embeddings).
+    # Qwen3.5-0.8B's text model (Qwen/Qwen3.5-0.8B config.json's text_config; about 0.75B
+    # parameters with tied embeddings): HybridConfig.from_hf of that config gives this.
     "qwen3_5_0_8b": HybridConfig(
         vocab_size=248_320,
         hidden_size=1024,
@@ -126,7 +198,12 @@ PRESETS: dict[str, HybridConfig] = {
         attn_num_kv_heads=2,
         attn_head_dim=256,
         partial_rotary_factor=0.25,
+        rope_theta=10_000_000.0,
+        norm_eps=1e-6,
         tie_embeddings=True,
+        zero_centered_norm=True,
+        max_position_embeddings=262_144,
+        eos_token_id=248_044,
     ),
 }
 
@@ -183,7 +260,8 @@ class DecoderLayer(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         fkw = dict(kw, fp8=fp8, fp8_recipe=fp8_recipe)  # modules with projections
         self.layer_type = layer_type
-        self.input_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
+        nkw = dict(kw, eps=c.norm_eps, zero_centered=c.zero_centered_norm)
+        self.input_norm = RMSNorm(c.hidden_size, **nkw)
         if layer_type == "attention":
             self.mixer = GatedAttention(
                 c.hidden_size,
@@ -193,6 +271,7 @@ class DecoderLayer(nnx.Module):
                 partial_rotary_factor=c.partial_rotary_factor,
                 rope_theta=c.rope_theta,
                 norm_eps=c.norm_eps,
+                zero_centered_norm=c.zero_centered_norm,
                 **fkw,
             )
         elif layer_type == "linear":
@@ -213,7 +292,7 @@ class DecoderLayer(nnx.Module):
             )
         else:
             raise ValueError(f"{layer_type=}: expected 'attention' or 'linear'")
-        self.post_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
+        self.post_norm = RMSNorm(c.hidden_size, **nkw)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, **fkw)
 
     def __call__(self, x, *, positions, mask, cu_seqlens):
@@ -305,7 +384,7 @@ class HybridLM(nnx.Module):
                 for t in config.layer_types
             ]
         )
-        self.norm = RMSNorm(c.hidden_size, eps=c.norm_eps, **kw)
+        self.norm = RMSNorm(c.hidden_size, eps=c.norm_eps, zero_centered=c.zero_centered_norm, **kw)
         if not c.tie_embeddings:
             self.lm_head = dense(c.hidden_size, c.vocab_size, (EMBED, VOCAB), **kw)
 
@@ -438,7 +517,9 @@ class HybridLM(nnx.Module):
         )
         return HybridCache(layers=layers, pos=jnp.zeros((), jnp.int32))
 
-    def extend(self, tokens: jax.Array, cache: HybridCache) -> tuple[jax.Array, HybridCache]:
+    def extend(
+        self, tokens: jax.Array, cache: HybridCache, *, last_only: bool = False
+    ) -> tuple[jax.Array, HybridCache]:
         """Append T >= 1 tokens to every sequence (prefill, then decode token by token).
 
         Any split of a sequence into ``extend`` calls gives the logits one ``__call__`` gives.
@@ -446,12 +527,16 @@ class HybridLM(nnx.Module):
         Args:
           tokens: [B, T] int token ids.
           cache: from :meth:`init_cache` or a previous ``extend``.
+          last_only: compute the logits of the last position only (a prefill that samples the
+            next token needs no others).
         Returns:
-          logits [B, T, vocab] f32 and the updated cache.
+          logits [B, T, vocab] f32 ([B, 1, vocab] with ``last_only``) and the updated cache.
         """
         x = self.embed(tokens)
         new = []
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x, layer_cache = layer.extend(x, layer_cache, cache.pos)
             new.append(layer_cache)
+        if last_only:
+            x = x[:, -1:]
         return self._logits(x), HybridCache(tuple(new), cache.pos + tokens.shape[1])

@@ -201,27 +201,37 @@ def _rms(x: jax.Array, eps: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, in f32; weight starts at 1."""
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, in f32; weight starts at 1.
+
+    With ``zero_centered=True`` the scale is ``1 + weight`` and the weight starts at 0 (Qwen3.5's
+    decoder, final and q/k norms; the stored weight is the checkpoint's). Both forms compute the
+    same function at init.
+    """
 
     def __init__(
         self,
         dim: int,
         *,
         eps: float = 1e-6,
+        zero_centered: bool = False,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         del rngs  # deterministic init; kept for the uniform constructor signature
         self.eps = eps
+        self.zero_centered = zero_centered
         self.dtype = dtype
-        self.weight = nnx.Param(
-            partitioned(nnx.initializers.ones, (NORM,))(None, (dim,), param_dtype)
-        )
+        init = nnx.initializers.zeros if zero_centered else nnx.initializers.ones
+        self.weight = nnx.Param(partitioned(init, (NORM,))(None, (dim,), param_dtype))
+
+    def _scale(self) -> jax.Array:
+        w = self.weight[...].astype(jnp.float32)
+        return 1.0 + w if self.zero_centered else w
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., dim] -> [..., dim] in ``dtype`` (or x.dtype)."""
-        y = _rms(x, self.eps) * self.weight[...].astype(jnp.float32)
+        y = _rms(x, self.eps) * self._scale()
         return y.astype(self.dtype or x.dtype)
 
 
@@ -233,6 +243,6 @@ class GatedRMSNorm(RMSNorm):
 
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:  # type: ignore[override]
         """x, z: [..., dim] -> [..., dim] in ``dtype`` (or x.dtype)."""
-        y = _rms(x, self.eps) * self.weight[...].astype(jnp.float32)
+        y = _rms(x, self.eps) * self._scale()
         y = y * jax.nn.silu(z.astype(jnp.float32))
         return y.astype(self.dtype or x.dtype)
