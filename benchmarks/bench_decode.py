@@ -17,9 +17,9 @@ and GB/s is those bytes over the measured time. Two timings per JAX implementati
 - ``*_call_ms``: one jitted, state-donating call per step from Python (bench_gdn.py timing:
   batches of back-to-back calls, median), i.e. what a host-driven decode loop sees.
 
-Results: one ``decode`` file of :mod:`benchmarks.results` per run (rows ``variant, B, H, HV, K,
-V, floor_ms, {impl}_ms, {impl}_call_ms, {impl}_GBps, {impl}_per_floor``), by default under
-``benchmarks/results/`` on a GPU.
+Results: the run updates the ``decode`` file of :mod:`benchmarks.results` (rows ``variant, B, H,
+HV, K, V, floor_ms, {impl}_ms, {impl}_call_ms, {impl}_GBps, {impl}_per_floor``), by default
+``benchmarks/results/decode_<device>.json`` on a GPU.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--timing", choices=("loop", "call", "both"), default="both")
     p.add_argument("--block-v", type=int, default=None, help="pallas: V columns per CTA")
     p.add_argument(
-        "--json", default="auto", help="results file; auto: benchmarks/results/ on a GPU; none"
+        "--json", default="auto", help="results file to update; auto: the topic file on a GPU"
     )
     a = p.parse_args(argv)
     if a.block_v is not None:

@@ -15,9 +15,10 @@ runs with ``use_qk_l2norm=False`` in every implementation, so the core op alone 
 FLA's gated backward is refused on Triton < 3.7.1 (its issue #640, a Triton miscompile); for timing
 only, this script sets ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`` and says so.
 
-Results: one ``ops`` file of :mod:`benchmarks.results` per run (rows ``variant, shape, mode,
-dtype, pallas_ms, xla_ms, fla_ms, floor_ms``; ``--qat`` rows add ``qat``; ``--stages`` adds a
-``stages`` list of per-kernel times), by default under ``benchmarks/results/`` on a GPU.
+Results: the run updates the ``ops`` file of :mod:`benchmarks.results` (rows ``variant, shape,
+mode, dtype, pallas_ms, xla_ms, fla_ms, floor_ms``; ``--qat`` rows add ``qat``; ``--stages`` adds
+``stages``, per-kernel times), by default ``benchmarks/results/ops_<device>.json`` on a GPU;
+it is rewritten after every shape, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -388,7 +389,7 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="*", default=list(CHUNKED))
     p.add_argument("--impls", nargs="*", default=["pallas", "fla", "xla"])
     p.add_argument(
-        "--json", default="auto", help="results file; auto: benchmarks/results/ on a GPU; none"
+        "--json", default="auto", help="results file to update; auto: the topic file on a GPU"
     )
     p.add_argument("--stages", action="store_true", help="per-kernel times of the pallas path")
     p.add_argument("--variant", choices=("gdn", "kda", "gdn2"), default="gdn")

@@ -15,10 +15,10 @@ residuals offloaded), offloadall (every named tensor offloaded), remat (everythi
 Offloading steps are compiled with :func:`gdn_jax.remat.compiler_options` (XLA's GPU
 latency-hiding scheduler off); ``+overlap`` keeps the scheduler.
 
-Results: one ``model`` file of :mod:`benchmarks.results` per run (rows ``preset, layers, batch,
-seq, setting, step_ms, mfu, peak_gib, torch_eager_ms, torch_compile_ms`` and the memory
-analysis), by default under ``benchmarks/results/`` on a GPU. This script has no FLOP count and
-no PyTorch peer: ``mfu`` and ``torch_*_ms`` are null.
+Results: the run updates the ``model`` file of :mod:`benchmarks.results` (rows ``preset, layers,
+batch, seq, setting, step_ms, mfu, peak_gib, torch_eager_ms, torch_compile_ms`` and the memory
+analysis), by default ``benchmarks/results/model_<device>.json`` on a GPU. This script has no
+FLOP count and no PyTorch peer: ``mfu`` and ``torch_*_ms`` are null.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--offload-fraction", type=float, default=1.0)
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new settings")
     p.add_argument(
-        "--json", default="auto", help="results file; auto: benchmarks/results/ on a GPU; none"
+        "--json", default="auto", help="results file to update; auto: the topic file on a GPU"
     )
     args = p.parse_args(argv)
     if any(s.startswith("te+") for s in args.settings.split(",")):

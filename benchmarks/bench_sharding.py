@@ -18,12 +18,12 @@ CP split one ``--batch`` (strong scaling). The one-device step of the same globa
 on one device.
 
     python benchmarks/bench_sharding.py --preset qwen3_5_0_8b --layers 4 --devices 2 \
-        --implementation pallas --json sharding.json                 # on 2+ GPUs
+        --implementation pallas                                      # on 2+ GPUs
     python benchmarks/bench_sharding.py --cpu-devices 4 --preset tiny --layers 2 --seq 128 \
         --batch 2 --iters 1 --devices 2 --dtype float32             # CPU check, seconds
 
-Results: one ``sharding`` file of :mod:`benchmarks.results` per run (one row per mode, the fields
-printed below), by default under ``benchmarks/results/`` on a GPU.
+Results: the run updates the ``sharding`` file of :mod:`benchmarks.results` (one row per mode,
+the fields printed below), by default ``benchmarks/results/sharding_<device>.json`` on a GPU.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tol", type=float, default=5e-3, help="see matches_one_device")
     p.add_argument("--cpu-devices", type=int, default=None)
     p.add_argument(
-        "--json", default="auto", help="results file; auto: benchmarks/results/ on a GPU; none"
+        "--json", default="auto", help="results file to update; auto: the topic file on a GPU"
     )
     args = p.parse_args(argv)
     if args.cpu_devices:

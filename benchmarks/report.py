@@ -3,11 +3,10 @@
     python benchmarks/report.py                 # writes benchmarks/RESULTS.md and the PNGs
     python benchmarks/report.py --out /tmp/R.md --no-plots
 
-Each results file is one run (see :mod:`benchmarks.results`). Per topic the rows of all runs are
-merged by their key fields; every other field comes from the newest run that measured it, and
-each table row names the runs its numbers come from (listed under the table with device, date,
-commit and command). The output depends only on the JSON files, so regenerating it without new
-results reproduces it byte for byte.
+Each results file holds one topic on one device (see :mod:`benchmarks.results`); each table row
+names the runs its numbers come from (letters for indices into the file's ``runs``, listed under
+the table with device, date, commit and command). The output depends only on the JSON files, so
+regenerating it without new results reproduces it byte for byte.
 """
 
 from __future__ import annotations
@@ -19,44 +18,48 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.results import KEYS, RESULTS_DIR, TOPICS  # noqa: E402
+from benchmarks.results import RESULTS_DIR, TOPICS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAX_LINES = 200
 
 
-def load(directory: Path = RESULTS_DIR) -> dict[str, list[dict]]:
-    """The runs of each topic, oldest first (by date, then file name)."""
-    runs: dict[str, list[dict]] = {t: [] for t in TOPICS}
+def load(directory: Path = RESULTS_DIR) -> dict[str, dict | None]:
+    """The topic file of each topic (None where there is none).
+
+    Raises:
+        ValueError: a file's ``topic`` is not one of ``TOPICS``.
+        NotImplementedError: two files (two devices) for one topic.
+    """
+    docs: dict[str, dict | None] = dict.fromkeys(TOPICS)
+    files: dict[str, str] = {}
     for path in sorted(directory.glob("*.json")):
         doc = json.loads(path.read_text())
-        if doc.get("topic") not in runs:
-            raise ValueError(f"{path}: topic {doc.get('topic')!r} is not one of {TOPICS}")
-        doc["file"] = path.name
-        runs[doc["topic"]].append(doc)
-    for docs in runs.values():
-        docs.sort(key=lambda d: (d["date"], d["file"]))
-        for i, d in enumerate(docs):
-            d["id"] = string.ascii_lowercase[i]
-    return runs
+        topic = doc.get("topic")
+        if topic not in docs:
+            raise ValueError(f"{path}: topic {topic!r} is not one of {TOPICS}")
+        if docs[topic] is not None:
+            raise NotImplementedError(
+                f"{path} and {files[topic]}: two files for topic {topic!r}; the report renders "
+                "one device per topic"
+            )
+        docs[topic], files[topic] = doc, path.name
+    return docs
 
 
-def merge(topic: str, docs: list[dict]) -> list[dict]:
-    """Rows of all runs merged by key; each field from the newest run that measured it. Each
-    merged row gets ``runs``: the ids of the runs that contributed a value, oldest first."""
-    keys = KEYS[topic]
-    merged: dict[tuple, dict] = {}
-    for d in docs:
-        for row in d["rows"]:
-            k = tuple(row.get(f) for f in keys)
-            m = merged.setdefault(k, {f: row.get(f) for f in keys} | {"runs": []})
-            took = False
-            for f, v in row.items():
-                if f not in keys and v is not None:
-                    m[f], took = v, True
-            if took and d["id"] not in m["runs"]:
-                m["runs"].append(d["id"])
-    return list(merged.values())
+def run_id(i: int) -> str:
+    """The letter(s) naming run index ``i``: a … z, then aa, ab, …"""
+    letters = string.ascii_lowercase
+    return letters[i] if i < len(letters) else run_id(i // len(letters) - 1) + letters[i % 26]
+
+
+def sources(row: dict) -> list[int]:
+    """Indices of the runs whose values a row shows: its ``run`` and its per-field ``runs``."""
+    return sorted({row["run"], *row.get("runs", {}).values()})
+
+
+def _run_col(row: dict) -> str:
+    return ", ".join(run_id(i) for i in sources(row))
 
 
 def _ms(x, digits=3) -> str:
@@ -71,19 +74,16 @@ def _sci(x) -> str:
     return "—" if x is None else f"{x:.1e}"
 
 
-def _runs_used(rows: list[dict], docs: list[dict]) -> list[dict]:
-    used = {r for row in rows for r in row["runs"]}
-    return [d for d in docs if d["id"] in used]
-
-
-def _run_lines(docs: list[dict]) -> list[str]:
+def _run_lines(rows: list[dict], doc: dict) -> list[str]:
+    """One entry per run that ``rows`` show, oldest first."""
     out = [""]
-    for d in docs:
-        versions = ", ".join(f"{k} {v}" for k, v in d.get("versions", {}).items())
-        commit = f"commit {d['commit']}" if d.get("commit") else "commit not recorded"
-        note = f"; {d['note']}" if d.get("note") else ""
-        out.append(f"- **{d['id']}**: {d['device']}, {d['date']}, {commit}, {versions}{note}:")
-        out.append(f"  `{d['command']}`")
+    for i in sorted({i for row in rows for i in sources(row)}):
+        r = doc["runs"][i]
+        versions = ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items())
+        commit = f"commit {r['commit']}" if r.get("commit") else "commit not recorded"
+        note = f"; {r['note']}" if r.get("note") else ""
+        out.append(f"- **{run_id(i)}**: {doc['device']}, {r['date']}, {commit}, {versions}{note}:")
+        out.append(f"  `{r['command']}`")
     return out
 
 
@@ -93,14 +93,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def ops_section(docs: list[dict]) -> list[str]:
-    rows = [r for r in merge("ops", docs) if r.get("qat") is None]
+def ops_section(doc: dict) -> list[str]:
+    rows = [r for r in doc["rows"] if r.get("qat") is None]
     rows.sort(key=lambda r: (r["variant"] != "gdn", r["variant"], r["dtype"], r["shape"]))
     body = []
     for r in rows:
         p, x, f = r.get("pallas_ms"), r.get("xla_ms"), r.get("fla_ms")
         cells = [r["variant"], r["dtype"], r["shape"], r["mode"], _ms(p), _ms(x), _ms(f)]
-        cells += [_ratio(p, f), _ratio(x, p), _ms(r.get("floor_ms")), ", ".join(r["runs"])]
+        cells += [_ratio(p, f), _ratio(x, p), _ms(r.get("floor_ms")), _run_col(r)]
         body.append(cells)
     out = [
         "## Chunked ops vs FLA",
@@ -115,26 +115,26 @@ def ops_section(docs: list[dict]) -> list[str]:
     out += _table(
         ["variant", "io", "shape", "mode", "pallas", "xla", "FLA", "pallas/FLA", "xla/pallas",
          "floor", "runs"], body)  # fmt: skip
-    out += _run_lines(_runs_used(rows, docs))
+    out += _run_lines(rows, doc)
     if any(r.get("fla_ms") for r in rows):
         out += ["", "![ops vs FLA](ops_vs_fla.png)"]
-    qat = [r for r in merge("ops", docs) if r.get("qat") is not None]
+    qat = [r for r in doc["rows"] if r.get("qat") is not None]
     if qat:
         base = {(r["shape"], r["mode"]): r.get("pallas_ms") for r in qat if r["qat"] == "off"}
         body = [
             [r["shape"], r["mode"], r["qat"], _ms(r.get("pallas_ms")),
-             _ratio(r.get("pallas_ms"), base.get((r["shape"], r["mode"]))), ", ".join(r["runs"])]
+             _ratio(r.get("pallas_ms"), base.get((r["shape"], r["mode"]))), _run_col(r)]
             for r in qat
         ]  # fmt: skip
         out += ["", "### QAT cost (GDN, pallas)", ""]
         out += ["FP8 fake quantisation at the state and `w` sites (`bench_gdn.py --qat`).", ""]
         out += _table(["shape", "mode", "QAT (state + w)", "pallas ms", "vs off", "runs"], body)
-        out += _run_lines(_runs_used(qat, docs))
+        out += _run_lines(qat, doc)
     return out
 
 
-def decode_section(docs: list[dict]) -> list[str]:
-    rows = merge("decode", docs)
+def decode_section(doc: dict) -> list[str]:
+    rows = list(doc["rows"])
     rows.sort(key=lambda r: (r["B"], r["variant"] != "gdn", r["variant"]))
     body = []
     for r in rows:
@@ -143,7 +143,7 @@ def decode_section(docs: list[dict]) -> list[str]:
         for impl in ("pallas", "xla", "fla"):
             t = r.get(f"{impl}_ms")
             cells.append("—" if t is None else f"{t:.4f} ({_ratio(t, fl)})")
-        body.append(cells + [", ".join(r["runs"])])
+        body.append(cells + [_run_col(r)])
     out = [
         "## Decode step vs FLA and the bandwidth floor",
         "",
@@ -154,14 +154,14 @@ def decode_section(docs: list[dict]) -> list[str]:
     ]
     out += _table(["variant", "B", "H/HV", "K/V", "floor ms", "pallas ms", "xla ms", "FLA ms",
                    "runs"], body)  # fmt: skip
-    out += _run_lines(_runs_used(rows, docs))
+    out += _run_lines(rows, doc)
     if any(r.get("pallas_ms") for r in rows):
         out += ["", "![decode vs batch](decode_vs_batch.png)"]
     return out
 
 
-def model_section(docs: list[dict]) -> list[str]:
-    rows = merge("model", docs)
+def model_section(doc: dict) -> list[str]:
+    rows = list(doc["rows"])
     rows.sort(key=lambda r: (-(r["layers"] or 0), r["gpu"] is None, r["gpu"] or 0))
     body = []
     for r in rows:
@@ -171,7 +171,7 @@ def model_section(docs: list[dict]) -> list[str]:
             "—" if r["gpu"] is None else str(r["gpu"]), _ms(r.get("step_ms"), 2),
             "—" if r.get("mfu") is None else f"{r['mfu']:.1%}", gib("peak_gib"),
             gib("device_temp_gib"), gib("host_temp_gib"), _ms(r.get("torch_eager_ms"), 2),
-            _ms(r.get("torch_compile_ms"), 2), ", ".join(r["runs"]),
+            _ms(r.get("torch_compile_ms"), 2), _run_col(r),
         ])  # fmt: skip
     out = [
         "## Model train step",
@@ -189,12 +189,12 @@ def model_section(docs: list[dict]) -> list[str]:
          "device temp GiB", "host temp GiB", "torch eager ms", "torch compile ms", "runs"],
         body,
     )  # fmt: skip
-    out += _run_lines(_runs_used(rows, docs))
+    out += _run_lines(rows, doc)
     return out
 
 
-def sharding_section(docs: list[dict]) -> list[str]:
-    rows = merge("sharding", docs)
+def sharding_section(doc: dict) -> list[str]:
+    rows = list(doc["rows"])
     order = {"dp": 0, "fsdp": 1, "tp": 2, "cp": 3}
     rows.sort(key=lambda r: (r["preset"] != "qwen3_5_0_8b", r["preset"], order.get(r["mode"], 9)))
     body = []
@@ -213,7 +213,7 @@ def sharding_section(docs: list[dict]) -> list[str]:
             name, "—" if r["layers"] is None else str(r["layers"]), str(r["seq"]), r["mode"],
             str(r["devices"]), str(r["global_batch"]), _sci(r.get("loss_rel_diff")),
             _sci(r.get("grad_rel_rms")), f32, step, "—" if tok is None else f"{tok:,.0f}",
-            _ratio(r.get("efficiency"), 1.0), ", ".join(r["runs"]),
+            _ratio(r.get("efficiency"), 1.0), _run_col(r),
         ])  # fmt: skip
     out = [
         "## Sharded training",
@@ -230,24 +230,24 @@ def sharding_section(docs: list[dict]) -> list[str]:
          "vs f32: n / 1", "step ms 1 → n", "tokens/s/device", "efficiency", "runs"],
         body,
     )  # fmt: skip
-    out += _run_lines(_runs_used(rows, docs))
+    out += _run_lines(rows, doc)
     return out
 
 
-def render(runs: dict[str, list[dict]]) -> str:
-    """The page for ``runs`` (see :func:`load`)."""
+def render(docs: dict[str, dict | None]) -> str:
+    """The page for the topic files ``docs`` (see :func:`load`)."""
     out = [
         "# Benchmark results",
         "",
-        "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json` (one file "
-        "per run, written by the bench scripts); do not edit by hand. Times in ms. Run letters "
-        "are per section.",
+        "Generated by `python benchmarks/report.py` from "
+        "`benchmarks/results/<topic>_<device>.json` (one file per topic and device, updated by "
+        "the bench scripts); do not edit by hand. Times in ms. Run letters are per section.",
     ]
     sections = {"ops": ops_section, "decode": decode_section, "model": model_section,
                 "sharding": sharding_section}  # fmt: skip
     for topic in TOPICS:
-        if runs[topic]:
-            out += [""] + sections[topic](runs[topic])
+        if docs[topic] is not None:
+            out += [""] + sections[topic](docs[topic])
     return "\n".join(out) + "\n"
 
 
@@ -260,9 +260,11 @@ def _pyplot():
     return plt
 
 
-def plot_ops(docs: list[dict], path: Path) -> bool:
+def plot_ops(doc: dict | None, path: Path) -> bool:
     """Bars of pallas / xla / FLA ms for the bf16 rows that FLA measured; False when none."""
-    rows = [r for r in merge("ops", docs) if r.get("qat") is None and r.get("fla_ms")]
+    if doc is None:
+        return False
+    rows = [r for r in doc["rows"] if r.get("qat") is None and r.get("fla_ms")]
     rows = [r for r in rows if r["dtype"] == "bfloat16"]
     if not rows:
         return False
@@ -289,9 +291,9 @@ def plot_ops(docs: list[dict], path: Path) -> bool:
     return True
 
 
-def plot_decode(docs: list[dict], path: Path) -> bool:
+def plot_decode(doc: dict | None, path: Path) -> bool:
     """Decode ms vs batch per variant (pallas, xla, FLA, floor); False when nothing to plot."""
-    rows = merge("decode", docs)
+    rows = [] if doc is None else list(doc["rows"])
     if not rows:
         return False
     plt = _pyplot()
@@ -326,15 +328,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--no-plots", action="store_true")
     a = p.parse_args(argv)
-    runs = load(a.results)
-    text = render(runs)
+    docs = load(a.results)
+    text = render(docs)
     n = text.count("\n")
     if n > MAX_LINES:
-        raise SystemExit(f"{a.out}: {n} lines, more than {MAX_LINES}: drop superseded runs")
+        raise SystemExit(
+            f"{a.out}: {n} lines, more than {MAX_LINES}: remove superseded rows from the results"
+        )
     a.out.write_text(text)
     if not a.no_plots:
-        plot_ops(runs["ops"], a.out.parent / "ops_vs_fla.png")
-        plot_decode(runs["decode"], a.out.parent / "decode_vs_batch.png")
+        plot_ops(docs["ops"], a.out.parent / "ops_vs_fla.png")
+        plot_decode(docs["decode"], a.out.parent / "decode_vs_batch.png")
     print(f"wrote {a.out} ({n} lines)")
     return 0
 

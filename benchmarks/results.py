@@ -1,12 +1,23 @@
-"""Benchmark results as data: one JSON file per run under ``benchmarks/results/``.
+"""Benchmark results as data: one JSON file per topic and device under ``benchmarks/results/``.
 
-Every file has the same envelope::
+``benchmarks/results/<topic>_<device>.json`` (``ops_h200.json``, ``decode_h200.json``,
+``model_h200.json``, ``sharding_h200.json``) holds every row measured for that topic on that
+device::
 
     {"topic": "ops" | "decode" | "model" | "sharding",
-     "device": "NVIDIA H200", "date": "2026-11-29T10:28:52+00:00", "commit": "e396b85" | null,
+     "device": "NVIDIA H200",
+     "date": "2026-11-29T10:28:52+00:00", "commit": "e396b85" | null,
      "command": "python3 benchmarks/bench_gdn.py ...", "versions": {"jax": "0.11.2", ...},
      "note": "conditions a reader needs" | null,
-     "rows": [...], ...topic extras (ops: "stages")}
+     "fla": "0.6.0" | null,                                  (ops only)
+     "runs": [{"date", "commit", "command", "note", "versions"}, ...],
+     "rows": [{...fields..., "run": 3}, ...],
+     "stages": [{"variant", "shape", "dtype", "kernel", "ms", "run"}, ...]}   (ops, optional)
+
+The top-level ``date``, ``commit``, ``command``, ``versions``, ``note`` (and ops' ``fla``) are
+those of the newest run, ``runs[-1]``. Each row's ``run`` indexes ``runs``: the run that
+measured it. A row whose fields come from several runs also has ``"runs": {field: index}`` for
+the fields measured by a run other than ``run``.
 
 Row fields per topic:
 
@@ -18,14 +29,19 @@ Row fields per topic:
 - sharding: ``preset, layers, seq, mode, devices, global_batch, loss_rel_diff, grad_rel_rms,
   step_ms_1, step_ms_n, tokens_per_s_per_device, efficiency`` (+ comparisons with the f32 maths).
 
-A field that was not measured is ``null``. ``benchmarks/report.py`` merges the files of a topic
-(for each row and field, the newest file that measured it) into ``benchmarks/RESULTS.md``.
+A field that was not measured is ``null``. The fields of :data:`KEYS` identify a row: a run
+that measures a row with the same key replaces it whole (:func:`add_run`). The bench scripts
+update their topic file in place through :func:`write` when they run on an accelerator; CPU
+runs write nothing unless given ``--json PATH``. ``benchmarks/report.py`` renders the files as
+``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -42,6 +58,8 @@ KEYS = {
     "model": ("preset", "layers", "batch", "seq", "setting", "gpu"),
     "sharding": ("preset", "layers", "seq", "mode", "devices", "global_batch", "config"),
 }
+STAGE_KEYS = ("variant", "shape", "dtype", "kernel")  # the ops file's per-kernel times
+RUN_FIELDS = ("date", "commit", "command", "note", "versions")  # what each entry of runs says
 
 
 def git_commit() -> str | None:
@@ -70,17 +88,17 @@ def versions() -> dict[str, str]:
 
 
 def default_path(topic: str, device_kind: str) -> Path:
-    """``benchmarks/results/<topic>_<device>_<UTC time>.json``, e.g. ``ops_h200_20261129T1028``."""
+    """``benchmarks/results/<topic>_<device>.json``, e.g. ``ops_h200.json`` for "NVIDIA H200"."""
     slug = re.sub(r"[^a-z0-9]+", "", device_kind.lower().removeprefix("nvidia ")) or "device"
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M")
-    return RESULTS_DIR / f"{topic}_{slug}_{stamp}.json"
+    return RESULTS_DIR / f"{topic}_{slug}.json"
 
 
 def output_path(arg: str | None, topic: str) -> Path | None:
     """Where a bench script writes its results for ``--json ARG``.
 
-    ``ARG`` a path: there. ``"auto"`` (the scripts' default): :func:`default_path` on an
-    accelerator, nowhere on a CPU (CPU runs are checks, not results). ``""``/``"none"``: nowhere.
+    ``ARG`` a path: that file (updated in place like a topic file). ``"auto"`` (the scripts'
+    default): :func:`default_path` on an accelerator, nowhere on a CPU (CPU runs are checks,
+    not results). ``""``/``"none"``: nowhere.
     """
     import jax
 
@@ -92,6 +110,82 @@ def output_path(arg: str | None, topic: str) -> Path | None:
     return None if dev.platform == "cpu" else default_path(topic, dev.device_kind)
 
 
+def _by_key(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, int]:
+    return {tuple(r.get(f) for f in keys): i for i, r in enumerate(rows)}
+
+
+def _replace_rows(old: list[dict], new: list[dict], keys: tuple[str, ...], run: int) -> list[dict]:
+    """``old`` with each row of ``new`` (tagged ``run``) in place of the row with its key."""
+    out = list(old)
+    index = _by_key(out, keys)
+    for row in new:
+        row = {f: v for f, v in row.items() if f not in ("run", "runs")} | {"run": run}
+        k = tuple(row.get(f) for f in keys)
+        if k in index:
+            out[index[k]] = row
+        else:
+            index[k] = len(out)
+            out.append(row)
+    return out
+
+
+def add_run(
+    doc: dict | None,
+    topic: str,
+    device: str,
+    run: dict,
+    rows: list[dict],
+    stages: list[dict] | None = None,
+) -> dict:
+    """The topic document ``doc`` (None: a new one) with one run's results added.
+
+    Args:
+        doc: the current contents of the topic file, or None.
+        topic: one of :data:`TOPICS`; must equal ``doc["topic"]``.
+        device: the device kind (``"NVIDIA H200"``); must equal ``doc["device"]``.
+        run: ``{"date", "commit", "command", "note", "versions"}`` of this run. A run with the
+            same ``date`` and ``command`` already in ``doc["runs"]`` is this run (a script that
+            rewrites its file as it goes) and is updated; otherwise the run is appended.
+        rows: this run's rows; each replaces the row of ``doc`` with the same :data:`KEYS`
+            fields or is appended, with ``"run"`` set to this run's index.
+        stages: ops only: per-kernel times, replaced by ``STAGE_KEYS`` the same way.
+
+    Returns:
+        A new document whose top-level fields are this run's.
+    """
+    if topic not in TOPICS:
+        raise ValueError(f"{topic=}: expected one of {TOPICS}")
+    if stages and topic != "ops":
+        raise ValueError(f"stages given for {topic=}: only the ops topic has stages")
+    missing = [f for f in RUN_FIELDS if f not in run]
+    if missing:
+        raise ValueError(f"run={run!r}: missing {missing}, expected the fields {RUN_FIELDS}")
+    doc = doc or {"topic": topic, "device": device, "runs": [], "rows": []}
+    if (doc.get("topic"), doc.get("device")) != (topic, device):
+        raise ValueError(
+            f"doc is for topic {doc.get('topic')!r} on device {doc.get('device')!r}, "
+            f"expected topic {topic!r} on device {device!r}"
+        )
+    runs = list(doc["runs"])
+    run = {f: run[f] for f in RUN_FIELDS}
+    ident = (run["date"], run["command"])
+    same = [i for i, r in enumerate(runs) if (r["date"], r["command"]) == ident]
+    if same:
+        index = same[-1]
+        runs[index] = run
+    else:
+        index = len(runs)
+        runs.append(run)
+    out = {"topic": topic, "device": device, **{f: run[f] for f in RUN_FIELDS}}
+    if topic == "ops":
+        out["fla"] = run["versions"].get("fla")
+    out["runs"] = runs
+    out["rows"] = _replace_rows(doc["rows"], rows, KEYS[topic], index)
+    if stages or doc.get("stages"):
+        out["stages"] = _replace_rows(doc.get("stages", []), stages or [], STAGE_KEYS, index)
+    return out
+
+
 def write(
     path: Path | None,
     topic: str,
@@ -99,28 +193,44 @@ def write(
     *,
     date: str,
     note: str | None = None,
-    **extra,
+    stages: list[dict] | None = None,
 ) -> None:
-    """Writes one run's results to ``path`` (nothing when None) in the envelope above."""
+    """Adds one run's results to the topic file ``path`` in place (see :func:`add_run`).
+
+    Nothing is written when ``path`` is None or the run has no rows. The file is locked while it
+    is read and rewritten, so processes on several GPUs of one host can share it.
+
+    Args:
+        path: the topic file (created when absent), or None.
+        topic: one of :data:`TOPICS`.
+        rows: the rows this run measured (fields per topic in the module docstring).
+        date: the run's start, ISO 8601 (:func:`now`); with the command it identifies the run.
+        note: conditions a reader needs, or None.
+        stages: ops only: ``{"variant", "shape", "dtype", "kernel", "ms"}`` per kernel.
+    """
     import jax
 
-    if path is None:
+    if path is None or not (rows or stages):
         return
-    if topic not in TOPICS:
-        raise ValueError(f"{topic=}: expected one of {TOPICS}")
-    doc = {
-        "topic": topic,
-        "device": jax.devices()[0].device_kind,
+    run = {
         "date": date,
         "commit": git_commit(),
         "command": "python3 " + shlex.join(sys.argv),
-        "versions": versions(),
         "note": note,
-        "rows": rows,
-        **extra,
+        "versions": versions(),
     }
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    lock = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        doc = json.loads(path.read_text()) if path.exists() else None
+        doc = add_run(doc, topic, jax.devices()[0].device_kind, run, rows, stages)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        os.close(lock)
 
 
 def now() -> str:

@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,17 +29,78 @@ def test_report_regenerates_results_md(tmp_path):
     assert text == (ROOT / "benchmarks" / "RESULTS.md").read_text()
 
 
-def test_merge_takes_each_field_from_the_newest_run(tmp_path):
-    """Rows with the same key merge; a field missing (null) in the newer run keeps the older
-    value, and the row names both runs."""
+def _results():
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import results
+
+    return results
+
+
+def test_add_run_replaces_rows_by_key_and_appends_the_run():
+    """A run's row replaces the row with its key whole (fields it did not measure become null,
+    the old per-field sources go); other rows keep their run; the run is appended and the
+    top-level fields become its; the same run written again (same date and command) is one."""
+    results = _results()
+    key = dict(variant="gdn", B=64, H=16, HV=16, K=128, V=128)
+    other = key | dict(B=256)
+
+    def run(date, command="c"):
+        return dict(date=date, commit="abc", command=command, note=None, versions={"jax": "1"})
+
+    doc = {
+        "topic": "decode", "device": "GPU", **run("d0"), "runs": [run("d0")],
+        "rows": [key | dict(pallas_ms=2.0, fla_ms=3.0, run=0, runs={"fla_ms": 0}),
+                 other | dict(pallas_ms=5.0, run=0)],
+    }  # fmt: skip
+    new = results.add_run(doc, "decode", "GPU", run("d1"), [key | dict(pallas_ms=1.0, fla_ms=None)])
+    assert new["rows"] == [key | dict(pallas_ms=1.0, fla_ms=None, run=1), doc["rows"][1]]
+    assert [r["date"] for r in new["runs"]] == ["d0", "d1"] and new["date"] == "d1"
+    again = results.add_run(new, "decode", "GPU", run("d1"), [other | dict(pallas_ms=4.0)])
+    assert len(again["runs"]) == 2 and again["rows"][1] == other | dict(pallas_ms=4.0, run=1)
+    third = results.add_run(again, "decode", "GPU", run("d1", "c2"), [])
+    assert len(third["runs"]) == 3 and third["command"] == "c2" and third["rows"] == again["rows"]
+    with pytest.raises(ValueError, match="device"):
+        results.add_run(doc, "decode", "other GPU", run("d1"), [])
+    with pytest.raises(ValueError, match="topic"):
+        results.add_run(None, "hf", "GPU", run("d1"), [])
+
+
+def test_report_names_each_fields_run(tmp_path):
+    """A row's runs column lists its run and the runs of its per-field sources; the run list
+    under the table has exactly those runs."""
     report = _report()
 
-    def run(name, date, rows):
-        doc = dict(topic="decode", device="GPU", date=date, commit=None, command="c", rows=rows)
-        (tmp_path / name).write_text(json.dumps(doc))
+    def run(date):
+        return dict(date=date, commit=None, command=f"cmd {date}", note=None, versions={})
 
+    key = dict(variant="gdn", B=64, H=16, HV=16, K=128, V=128, floor_ms=1.0)
+    doc = {
+        "topic": "decode", "device": "GPU", **run("d2"),
+        "runs": [run(d) for d in ("d0", "d1", "d2")],
+        "rows": [key | dict(pallas_ms=1.0, fla_ms=3.0, run=2, runs={"fla_ms": 0})],
+    }  # fmt: skip
+    (tmp_path / "decode_gpu.json").write_text(json.dumps(doc))
+    text = report.render(report.load(tmp_path))
+    assert "| a, c |" in text and "`cmd d0`" in text and "`cmd d2`" in text
+    assert "cmd d1" not in text
+    (tmp_path / "decode_other.json").write_text(json.dumps(doc | {"device": "other"}))
+    with pytest.raises(NotImplementedError, match="two files"):
+        report.load(tmp_path)
+
+
+def test_write_updates_the_file_in_place(tmp_path):
+    """results.write adds each run to the file it is given; nothing is written without rows."""
+    results = _results()
+    path = tmp_path / "decode_cpu.json"
     key = dict(variant="gdn", B=64, H=16, HV=16, K=128, V=128)
-    run("new.json", "2026-02-01", [key | dict(pallas_ms=1.0, fla_ms=None)])
-    run("old.json", "2026-01-01", [key | dict(pallas_ms=2.0, fla_ms=3.0)])
-    (row,) = report.merge("decode", report.load(tmp_path)["decode"])
-    assert (row["pallas_ms"], row["fla_ms"], row["runs"]) == (1.0, 3.0, ["a", "b"])
+    results.write(path, "decode", [], date="d0")
+    assert not path.exists()
+    results.write(path, "decode", [key | dict(pallas_ms=2.0)], date="d0")
+    results.write(path, "decode", [key | dict(pallas_ms=1.0)], date="d1", note="n")
+    doc = json.loads(path.read_text())
+    assert [r["date"] for r in doc["runs"]] == ["d0", "d1"]
+    assert (doc["date"], doc["note"]) == ("d1", "n")
+    assert doc["rows"] == [key | dict(pallas_ms=1.0, run=1)]
+    assert set(doc) >= {"device", "date", "commit", "command", "versions", "rows", "runs"}
