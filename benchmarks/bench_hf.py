@@ -249,7 +249,7 @@ def rows_from(ours: dict, torch: dict | None, args) -> list[dict]:
     def row(what, batch, seq, a, t):
         ratio = None
         if a is not None and t is not None:
-            ratio = (t / a) if what.endswith("_s") else (a / t)  # > 1: ours is better
+            ratio = (a / t) if what.endswith("tok_s") else (t / a)  # > 1: ours is better
         return dict(what=what, batch=batch, seq=seq, ours=a, torch=t, ratio=ratio)
 
     T = args.prefill_seq

@@ -294,18 +294,18 @@ def test_generate_greedy_is_forward_argmax(model_a):
     argmax = np.asarray(jnp.argmax(logits, -1))
     for b, n in enumerate(lengths):
         np.testing.assert_array_equal(argmax[b, n - 1 : n - 1 + new], out[b])
-    # Same shapes again: no new compile of the decode step.
-    size = generation._decode_step._cache_size()
+    # Same shapes again: no new compile of the decode loop.
+    size = generation._decode_loop._cache_size()
     prompts2 = (prompts + 1) % 64
     out2 = np.asarray(generate(model_a, prompts2, max_new_tokens=new, prompt_lengths=lengths))
-    assert generation._decode_step._cache_size() == size
+    assert generation._decode_loop._cache_size() == size
     assert not np.array_equal(out2, out)
     # eos: a row stops after its first eos; rows without it are unchanged.
     eos = int(out[0, 2])
     stopped = np.asarray(
         generate(model_a, prompts, max_new_tokens=new, prompt_lengths=lengths, eos_token_id=eos)
     )
-    assert generation._decode_step._cache_size() == size
+    assert generation._decode_loop._cache_size() == size
     for b in range(3):
         hits = np.flatnonzero(out[b] == eos)
         if hits.size == 0:

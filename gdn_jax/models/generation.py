@@ -6,8 +6,9 @@ tokens every prompt has (the shortest prompt's length) go through one prefill
 one decode step for the whole batch (the decode kernels): a sequence still inside its prompt is
 fed its next prompt token, the others their sampled token. So every sequence's caches see
 exactly its own tokens in order, no padding token ever enters a recurrent state, and all
-sequences share one position counter. The decode step is jitted with its caches donated and
-compiles once per (batch size, cache length, sampling options).
+sequences share one position counter. The decode steps run on the device in one jitted
+``lax.while_loop`` (caches donated, no host round trip per token) that ends when every sequence
+is done; it compiles once per (batch size, cache length, new-token count, sampling options).
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ if TYPE_CHECKING:
     from gdn_jax.models.hybrid import HybridLM
 
 __all__ = ["generate", "sample_logits"]
-
-# How many decode steps run between checks (one host sync) that every sequence has finished.
-_DONE_CHECK_EVERY = 8
 
 
 def sample_logits(
@@ -76,40 +74,43 @@ def _prefill(graphdef, state, cache, tokens):
     jax.jit,
     static_argnums=(0,),
     static_argnames=("temperature", "top_k", "top_p"),
-    donate_argnums=(2, 4),
+    donate_argnums=(2,),
 )
-def _decode_step(
-    graphdef,
-    state,
-    cache,
-    logits,
-    out,
-    done,
-    p,
-    prompts,
-    lengths,
-    eos,
-    rng,
-    *,
-    temperature,
-    top_k,
-    top_p,
-):
-    """Choose the token at position ``p`` for every sequence, record it, and feed it."""
+def _decode_loop(
+    graphdef, state, cache, logits, start, stop, prompts, lengths, eos, rng, out,
+    *, temperature, top_k, top_p,
+):  # fmt: skip
+    """Decode positions ``start .. stop - 1`` on the device, stopping early once all are done.
+
+    Each step chooses the token at position ``p`` for every sequence (its next prompt token while
+    ``p < lengths``, else a sampled one), records it in ``out`` and feeds it through
+    :meth:`HybridLM.extend`. One ``lax.while_loop``: no host round trip per token.
+    """
     B, max_new = out.shape
-    key = None if rng is None else jax.random.fold_in(rng, p)
-    sampled = sample_logits(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
-    in_prompt = p < lengths
-    tok = jnp.where(in_prompt, jax.lax.dynamic_index_in_dim(prompts, p, 1, False), sampled)
-    j = p - lengths  # index among the sequence's new tokens
-    write = ~in_prompt & ~done
     rows = jnp.arange(B)
-    col = jnp.clip(j, 0, max_new - 1)
-    out = out.at[rows, col].set(jnp.where(write, tok, out[rows, col]))
-    done = done | (write & ((tok == eos) | (j >= max_new - 1)))
-    model = nnx.merge(graphdef, state)
-    next_logits, cache = model.extend(tok[:, None], cache)
-    return cache, next_logits[:, 0], out, done
+
+    def step(carry):
+        p, cache, logits, out, done = carry
+        key = None if rng is None else jax.random.fold_in(rng, p)
+        sampled = sample_logits(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+        in_prompt = p < lengths
+        tok = jnp.where(in_prompt, jax.lax.dynamic_index_in_dim(prompts, p, 1, False), sampled)
+        j = p - lengths  # index among the sequence's new tokens
+        write = ~in_prompt & ~done
+        col = jnp.clip(j, 0, max_new - 1)
+        out = out.at[rows, col].set(jnp.where(write, tok, out[rows, col]))
+        done = done | (write & ((tok == eos) | (j >= max_new - 1)))
+        model = nnx.merge(graphdef, state)
+        next_logits, cache = model.extend(tok[:, None], cache)
+        return p + 1, cache, next_logits[:, 0], out, done
+
+    def more(carry):
+        p, _, _, _, done = carry
+        return (p < stop) & ~jnp.all(done)
+
+    done = jnp.zeros((B,), bool)
+    _, _, _, out, _ = jax.lax.while_loop(more, step, (start, cache, logits, out, done))
+    return out
 
 
 def generate(
@@ -184,15 +185,11 @@ def generate(
     padded = jnp.zeros((B, max_len), jnp.int32).at[:, :L].set(prompts.astype(jnp.int32))
     fill = 0 if eos_token_id is None else int(eos_token_id)
     out = jnp.full((B, max_new_tokens), fill, jnp.int32)
-    done = jnp.zeros((B,), bool)
     eos = jnp.int32(-1 if eos_token_id is None else eos_token_id)
-    lens = jnp.asarray(lengths)
     opts = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
-    for i, p in enumerate(range(lo, hi + max_new_tokens)):
-        cache, logits, out, done = _decode_step(
-            graphdef, state, cache, logits, out, done, jnp.int32(p), padded, lens, eos, rng,
-            **opts,
-        )  # fmt: skip
-        if eos_token_id is not None and (i + 1) % _DONE_CHECK_EVERY == 0 and bool(done.all()):
-            break
+    start, stop = jnp.int32(lo), jnp.int32(hi + max_new_tokens)
+    out = _decode_loop(
+        graphdef, state, cache, logits, start, stop, padded, jnp.asarray(lengths), eos, rng, out,
+        **opts,
+    )  # fmt: skip
     return out
