@@ -65,6 +65,7 @@ __all__ = [
     "projection_dot_general",
     "in_auto_axes",
     "laid_out_like",
+    "check_sequence_unsplit",
 ]
 
 AxisNames = str | Sequence[str] | None
@@ -245,6 +246,33 @@ def input_layout(x) -> tuple[Mesh | AbstractMesh | None, tuple]:
     return mesh, axes
 
 
+def _sequence_split_error(op_name, name, x, ax, *, decode: bool):
+    what = f"mesh axis {ax[0]!r}" if len(ax) == 1 else f"mesh axes {ax}"
+    if decode:
+        fix = "decode steps cannot be context-sharded; lay T out replicated"
+    else:
+        fix = (
+            "the op does not gather T on its own. For context parallelism pass "
+            f"sharding=gdn_jax.sharding.ShardingConfig(mesh, batch=..., heads=..., "
+            f"context={ax[0]!r}) (or wrap the op with gdn_jax.sharding.shard_op; for a model: "
+            "sharding=gdn_jax.sharding.model_core_sharding(mesh)); otherwise lay T out replicated"
+        )
+    raise ValueError(
+        f"{op_name}: the sequence axis T (dim 1) of {name} {tuple(x.shape)} is split over "
+        f"{what}; {fix}"
+    )
+
+
+def check_sequence_unsplit(op_name: str, name: str, x, *, decode: bool = False) -> None:
+    """ValueError when the sequence axis (dim 1) of ``x [B, T, ...]`` is split over Explicit mesh
+    axes (context parallelism is asked for with a :class:`ShardingConfig`, never inferred)."""
+    if explicit_mesh(x) is None:
+        return
+    ax = explicit_axes_of(x)[1]
+    if ax:
+        _sequence_split_error(op_name, name, x, ax, decode=decode)
+
+
 def _same_mesh(a, b) -> bool:
     am = a.abstract_mesh if isinstance(a, Mesh) else a
     bm = b.abstract_mesh if isinstance(b, Mesh) else b
@@ -296,21 +324,7 @@ def implicit_config(
                 f"{dict(mesh.shape)}; put every input on one mesh"
             )
         if t_dim is not None and axes[t_dim]:
-            ax = axes[t_dim]
-            what = f"mesh axis {ax[0]!r}" if len(ax) == 1 else f"mesh axes {ax}"
-            if decode:
-                fix = "decode steps cannot be context-sharded; lay T out replicated"
-            else:
-                fix = (
-                    "the op does not gather T on its own. For context parallelism pass "
-                    f"sharding=gdn_jax.sharding.ShardingConfig(mesh, batch=..., heads=..., "
-                    f"context={ax[0]!r}) (or wrap the op with gdn_jax.sharding.shard_op); "
-                    "otherwise lay T out replicated"
-                )
-            raise ValueError(
-                f"{op_name}: the sequence axis T (dim 1) of {name} {tuple(x.shape)} is split over "
-                f"{what}; {fix}"
-            )
+            _sequence_split_error(op_name, name, x, axes[t_dim], decode=decode)
         if batch is None and axes[b_dim]:
             batch = axes[b_dim]
         if heads is None and axes[h_dim]:
