@@ -701,7 +701,8 @@ def make_mesh(
         takes its first devices.
       axis_type: the axis type of every axis. ``Auto`` (default) lets the partitioner propagate
         shardings from annotated parameters and inputs (what the model rules assume); ``Explicit``
-        works with :func:`shard_op` too.
+        (``jax.make_mesh``'s default) works as well: the ops, layers and model read layouts off
+        their inputs (docs/sharding.md).
 
     Returns:
       A :class:`jax.sharding.Mesh`.
