@@ -7,6 +7,17 @@
     python examples/train.py --fp8 native --remat save --offload core   # FP8 projections; the
                                                    # GDN core's residuals in pinned host memory
 
+Multi-process (one process per host, or several on one host), JAX's multi-controller runtime:
+
+    python examples/train.py --coordinator HOST:PORT --num-processes N --process-id I --mesh ...
+    JAX_COORDINATOR_ADDRESS=HOST:PORT JAX_NUM_PROCESSES=N JAX_PROCESS_ID=I python examples/train.py
+    srun python examples/train.py --distributed --mesh ...   # SLURM / Open MPI: detected by JAX
+
+Every process runs the same program on the global mesh; each feeds its own rows of the global
+batch (``jax.make_array_from_process_local_data``); checkpoints are written and restored by all
+processes together (Orbax); the progress bar, the log lines, the metrics file and the plot come
+from process 0.
+
 Shows a progress bar (loss, accuracy, tokens/s), writes ``<out>/train.png`` (loss and accuracy
 curves), ``<out>/metrics.jsonl`` and orbax checkpoints under ``<out>/checkpoints``. The GDN core
 runs the Pallas kernels on a GPU (falling back to XLA if they cannot serve) and XLA on a CPU.
@@ -16,15 +27,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,7 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-values", type=int, default=32, help="MQAR value vocabulary")
     p.add_argument("--seq-len", type=int, default=128, help="text: window length")
     p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--eval-batches", type=int, default=32, help="held-out batches for the eval")
+    p.add_argument(
+        "--eval-batches", type=int, default=32, help="held-out batches for the eval (0: none)"
+    )
     p.add_argument("--save-every", type=int, default=0, help="checkpoint period (0: at the end)")
     p.add_argument("--resume", action="store_true", help="restore the latest checkpoint in --out")
     p.add_argument(
@@ -91,7 +108,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         '"context=2": the sequence, CP)',
     )
     p.add_argument(
-        "--cpu-devices", type=int, default=None, help="split the CPU into N devices (for --mesh)"
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="split the CPU into N devices (for --mesh; per process when multi-process)",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        help="multi-process: HOST:PORT of process 0 (default $JAX_COORDINATOR_ADDRESS)",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=_env_int("JAX_NUM_PROCESSES"),
+        help="multi-process: number of processes (default $JAX_NUM_PROCESSES)",
+    )
+    p.add_argument(
+        "--process-id",
+        type=int,
+        default=_env_int("JAX_PROCESS_ID"),
+        help="multi-process: this process's index (default $JAX_PROCESS_ID)",
+    )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-process with the settings JAX detects (SLURM, Open MPI, Kubernetes)",
     )
     p.add_argument("--fp8", choices=["te", "native"], default=None, help="FP8 projections")
     p.add_argument("--fp8-recipe", choices=["current", "delayed"], default="current", help="te")
@@ -115,6 +157,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "rise: gdn_jax.remat.compiler_options)",
     )
     return p.parse_args(argv)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if value in (None, "") else int(value)
+
+
+def init_distributed(args: argparse.Namespace) -> bool:
+    """``jax.distributed.initialize`` when the command line or the environment asks for several
+    processes; must run before JAX touches a device. Returns whether it did."""
+    asked = args.distributed or args.coordinator is not None or (args.num_processes or 1) > 1
+    if not asked:
+        return False
+    # CPU processes exchange collectives through gloo (GPUs use NCCL on their own).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
+    return True
+
+
+def _local_rows(sharding, shape) -> slice:
+    """The rows of a [B, ...] global array that this process's devices hold (one block)."""
+    spans = sorted(
+        {
+            idx[0].indices(shape[0])[:2]
+            for idx in sharding.addressable_devices_indices_map(shape).values()
+        }
+    )
+    end = spans[0][0]
+    for a, b in spans:
+        if a > end:
+            raise ValueError(f"this process's batch rows {spans} are not one block of rows")
+        end = max(end, b)
+    return slice(spans[0][0], end)
 
 
 def _implementation(choice: str | None):
@@ -209,6 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
         fp8_lib.import_te()  # before JAX initialises the GPU (see gdn_jax.fp8.import_te)
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before any device is used
+    multi = init_distributed(args)
+    lead = jax.process_index() == 0  # logs, progress bar, metrics file and plot
+    if multi and not args.mesh:
+        args.mesh = "data=-1"  # the global batch over every process's devices
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     implementation = _implementation(args.implementation)
@@ -248,10 +331,27 @@ def main(argv: list[str] | None = None) -> dict:
     tx = make_optimizer(args)
     opt_state = jax.jit(tx.init)(params)  # follows the parameters' layout
 
-    def constrain(batch):
+    # Batches are pure functions of the step (examples/train_tasks.py). Each process computes
+    # the step's batch on one of its own devices and hands over the rows its devices hold;
+    # make_array_from_process_local_data assembles the global array (with one process: the
+    # whole batch, laid out by the rules).
+    local_device = jax.local_devices()[0]
+    make_train, make_eval = (
+        jax.jit(fn, out_shardings=jax.sharding.SingleDeviceSharding(local_device))
+        for fn in (train_batch, eval_batch)
+    )
+
+    def feed(make, step):
+        batch = make(jnp.int32(step))
         if mesh is None:
             return batch
-        return jax.lax.with_sharding_constraint(batch, sharding.batch_sharding(mesh, rules))
+        shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, rules, x.ndim), batch)
+
+        def place(x, sh):
+            rows = _local_rows(sh, x.shape)
+            return jax.make_array_from_process_local_data(sh, np.asarray(x[rows]), x.shape)
+
+        return jax.tree.map(place, batch, shardings)
 
     def forward(params, batch, meta):  # (loss, accuracy); the head never holds all logits
         model = nnx.merge(graphdef, params, meta)
@@ -261,8 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     options = remat.compiler_options(spec, overlap_copies=args.offload_overlap)
 
     @jax.jit(donate_argnums=(0, 1), compiler_options=options)
-    def train_step(params, opt_state, step, meta):
-        batch = constrain(train_batch(step))
+    def train_step(params, opt_state, batch, meta):
         grad_fn = jax.value_and_grad(forward, argnums=(0, 2), has_aux=True)
         (loss, acc), (grads, meta) = grad_fn(params, batch, meta)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -270,19 +369,27 @@ def main(argv: list[str] | None = None) -> dict:
         return params, opt_state, dict(loss=loss, accuracy=acc), meta
 
     @jax.jit
-    def eval_step(params, step, meta):
-        loss, acc = forward(params, constrain(eval_batch(step)), meta)
+    def eval_step(params, batch, meta):
+        loss, acc = forward(params, batch, meta)
         return dict(loss=loss, accuracy=acc)
 
     def evaluate(params):
-        ms = [eval_step(params, i, meta) for i in range(args.eval_batches)]
+        ms = [eval_step(params, feed(make_eval, i), meta) for i in range(args.eval_batches)]
         return {k: float(jnp.mean(jnp.stack([m[k] for m in ms]))) for k in ms[0]}
 
     manager = ocp.CheckpointManager(out / "checkpoints", options=ocp.CheckpointManagerOptions())
     start = 0
     if args.resume and manager.latest_step() is not None:
         start = manager.latest_step()
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, dict(params=params, opt=opt_state))
+
+        # Restored into this run's layout (whatever mesh and process count wrote the checkpoint);
+        # on a mesh, leaves kept on one device (the optimizer's step count) are replicated.
+        def layout(x):
+            single = mesh is not None and not isinstance(x.sharding, NamedSharding)
+            sh = NamedSharding(mesh, P()) if single else x.sharding
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+        target = jax.tree.map(layout, dict(params=params, opt=opt_state))
         restored = manager.restore(start, args=ocp.args.StandardRestore(target))
         params, opt_state = restored["params"], restored["opt"]
     elif not args.resume:
@@ -293,23 +400,28 @@ def main(argv: list[str] | None = None) -> dict:
     def save(step):
         manager.save(step, args=ocp.args.StandardSave(dict(params=params, opt=opt_state)))
 
-    print(
+    log = print if lead else (lambda *a, **k: None)
+    log(
         f"task: {task_name} | model: {args.preset} {config.num_layers} layers "
         f"{config.layer_types.count('attention')} attention, {n_params / 1e6:.2f}M params | "
         f"backend: {jax.default_backend()}, GDN implementation: {implementation}"
         + (f" | resumed at step {start}" if start else "")
+        + (f" | process {jax.process_index()} of {jax.process_count()}" if multi else "")
     )
 
     metrics_file = out / "metrics.jsonl"
-    if not args.resume and metrics_file.exists():
+    if lead and not args.resume and metrics_file.exists():
         metrics_file.unlink()
     stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-    bar = tqdm(range(start, stop), initial=start, total=args.steps, disable=args.no_progress)
+    bar = tqdm(
+        range(start, stop), initial=start, total=args.steps, disable=args.no_progress or not lead
+    )
     t0, last = time.perf_counter(), start
     metrics = None
     begin = time.perf_counter()
     for step in bar:
-        params, opt_state, metrics, meta = train_step(params, opt_state, jnp.int32(step), meta)
+        batch = feed(make_train, step)
+        params, opt_state, metrics, meta = train_step(params, opt_state, batch, meta)
         done = step + 1
         if done % args.log_every == 0 or done == stop:
             m = {k: float(v) for k, v in metrics.items()}  # waits for the step
@@ -317,14 +429,16 @@ def main(argv: list[str] | None = None) -> dict:
             m.update(step=done, tokens_per_s=tokens_per_step * (done - last) / (now - t0))
             t0, last = now, done
             if done == args.steps or done % (args.log_every * 8) == 0:
-                m["eval_accuracy"] = evaluate(params)["accuracy"]
+                if args.eval_batches:
+                    m["eval_accuracy"] = evaluate(params)["accuracy"]
             bar.set_postfix(
                 loss=f"{m['loss']:.3f}",
                 acc=f"{m['accuracy']:.3f}",
                 tok_s=f"{m['tokens_per_s']:.0f}",
             )
-            with metrics_file.open("a") as f:
-                f.write(json.dumps(m) + "\n")
+            if lead:
+                with metrics_file.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
         if args.save_every and done % args.save_every == 0 and done != stop:
             save(done)
     bar.close()
@@ -333,13 +447,17 @@ def main(argv: list[str] | None = None) -> dict:
         save(stop)
     manager.wait_until_finished()
 
-    final = evaluate(params)
-    history = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    final = (
+        evaluate(params) if args.eval_batches else dict(loss=float("nan"), accuracy=float("nan"))
+    )
+    history = []
+    if lead and metrics_file.exists():
+        history = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     if history:
         n_attn = config.layer_types.count("attention")
         model_name = f"{config.num_layers - n_attn} GDN + {n_attn} attention layers"
         _plot(history, out / "train.png", f"{task_name}, {model_name}")
-    print(
+    log(
         f"done: {stop} steps ({stop - start} in this run) in {wall:.1f} s | "
         f"eval loss {final['loss']:.4f}, eval accuracy {final['accuracy']:.4f} | "
         f"plot: {out / 'train.png'}"

@@ -42,7 +42,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
@@ -57,6 +57,15 @@ __all__ = [
     "model_shardings",
     "shard_model",
     "batch_sharding",
+    "input_layout",
+    "implicit_config",
+    "pallas_layout_error",
+    "explicit_mesh",
+    "explicit_axes_of",
+    "projection_dot_general",
+    "in_auto_axes",
+    "laid_out_like",
+    "check_sequence_unsplit",
 ]
 
 AxisNames = str | Sequence[str] | None
@@ -198,6 +207,257 @@ def _check(cfg: ShardingConfig, B, T, H, HV, cu_seqlens) -> None:
                 )
 
 
+# --------------------------------------------------------------------------------------------
+# Layouts read off the inputs (plain jax.jit on sharded arrays)
+# --------------------------------------------------------------------------------------------
+
+
+def input_layout(x) -> tuple[Mesh | AbstractMesh | None, tuple]:
+    """The mesh and per-dimension mesh axes by which ``x``'s layout is known, or ``(None, ())``.
+
+    Known: a traced value's type on ``Explicit`` mesh axes (``jax.typeof(x).sharding``; ``Auto``
+    axes never appear in types), or a concrete array's :class:`NamedSharding` (any axis type).
+    Inside ``shard_map`` the axes are ``Manual`` and nothing is known: the value is one shard.
+
+    Returns:
+      (mesh, axes) with ``axes[d]`` the tuple of mesh axes splitting dimension ``d`` (``()``
+      when replicated); ``(None, ())`` when no dimension is known to be split.
+    """
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        s = x.sharding
+        if not isinstance(s, NamedSharding):
+            return None, ()
+        mesh, spec = s.mesh, s.spec
+    else:
+        try:
+            s = jax.typeof(x).sharding
+        except (TypeError, AttributeError):
+            return None, ()
+        mesh, spec = getattr(s, "mesh", None), getattr(s, "spec", None)
+        if mesh is None or mesh.empty or spec is None:
+            return None, ()
+    ndim = getattr(x, "ndim", 0)
+    axes = [_as_tuple(e) if e is not P.UNCONSTRAINED else () for e in tuple(spec)[:ndim]]
+    axes += [()] * (ndim - len(axes))
+    # Axes of size 1 split nothing.
+    axes = tuple(tuple(a for a in ax if mesh.shape[a] > 1) for ax in axes)
+    if not any(axes):
+        return None, ()
+    return mesh, axes
+
+
+def _sequence_split_error(op_name, name, x, ax, *, decode: bool):
+    what = f"mesh axis {ax[0]!r}" if len(ax) == 1 else f"mesh axes {ax}"
+    if decode:
+        fix = "decode steps cannot be context-sharded; lay T out replicated"
+    else:
+        fix = (
+            "the op does not gather T on its own. For context parallelism pass "
+            f"sharding=gdn_jax.sharding.ShardingConfig(mesh, batch=..., heads=..., "
+            f"context={ax[0]!r}) (or wrap the op with gdn_jax.sharding.shard_op; for a model: "
+            "sharding=gdn_jax.sharding.model_core_sharding(mesh)); otherwise lay T out replicated"
+        )
+    raise ValueError(
+        f"{op_name}: the sequence axis T (dim 1) of {name} {tuple(x.shape)} is split over "
+        f"{what}; {fix}"
+    )
+
+
+def check_sequence_unsplit(op_name: str, name: str, x, *, decode: bool = False) -> None:
+    """ValueError when the sequence axis (dim 1) of ``x [B, T, ...]`` is split over Explicit mesh
+    axes (context parallelism is asked for with a :class:`ShardingConfig`, never inferred)."""
+    if explicit_mesh(x) is None:
+        return
+    ax = explicit_axes_of(x)[1]
+    if ax:
+        _sequence_split_error(op_name, name, x, ax, decode=decode)
+
+
+def _same_mesh(a, b) -> bool:
+    am = a.abstract_mesh if isinstance(a, Mesh) else a
+    bm = b.abstract_mesh if isinstance(b, Mesh) else b
+    return am == bm
+
+
+def implicit_config(
+    op_name: str,
+    tokens: Sequence[tuple[str, object]],
+    state: tuple[str, object] | None = None,
+    *,
+    decode: bool = False,
+) -> ShardingConfig | None:
+    """The :class:`ShardingConfig` that the inputs' own layouts ask for (None: unsharded).
+
+    Called by the public ops when no ``sharding=`` is given. The op then runs per shard through
+    :func:`shard_op` / :func:`shard_step` (so the Pallas kernels, opaque to XLA's partitioner, see
+    their shard only, and the xla implementation needs no sharding annotations inside). The batch
+    axes and the head axes are those of the first input that splits them, in the order ``tokens``
+    (the ops pass v, q, k, the gates), then ``state``; every input is moved to that layout, and
+    dimensions other than B and the heads (K, V) are gathered.
+
+    Args:
+      op_name: the public op's name, for the errors.
+      tokens: ``(name, array)`` pairs of ``[B, T, heads, ...]`` inputs.
+      state: ``(name, array)`` of an ``[N, HV, K, V]`` state, or None.
+      decode: the op is a decode step (no context parallelism at all).
+
+    Returns:
+      A config on the inputs' mesh, or None when no input is known to be split.
+
+    Raises:
+      ValueError: the sequence axis T of an input is split over a mesh axis (context
+        parallelism must be asked for), or the inputs sit on different meshes.
+    """
+    entries = [(n, x, 0, 2, 1) for n, x in tokens if getattr(x, "ndim", 0) >= 3]
+    if state is not None and getattr(state[1], "ndim", 0) == 4:
+        entries.append((state[0], state[1], 0, 1, None))
+    mesh, batch, heads, mesh_of = None, None, None, None
+    for name, x, b_dim, h_dim, t_dim in entries:
+        m, axes = input_layout(x)
+        if m is None:
+            continue
+        if mesh is None:
+            mesh, mesh_of = m, name
+        elif not _same_mesh(mesh, m):
+            raise ValueError(
+                f"{op_name}: {name} is sharded on mesh {dict(m.shape)} and {mesh_of} on mesh "
+                f"{dict(mesh.shape)}; put every input on one mesh"
+            )
+        if t_dim is not None and axes[t_dim]:
+            _sequence_split_error(op_name, name, x, axes[t_dim], decode=decode)
+        if batch is None and axes[b_dim]:
+            batch = axes[b_dim]
+        if heads is None and axes[h_dim]:
+            heads = axes[h_dim]
+    if mesh is None or (not batch and not heads):
+        return None
+    batch, heads = batch or (), heads or ()
+    if set(batch) & set(heads):
+        raise ValueError(
+            f"{op_name}: the inputs split the batch over {batch} and the heads over {heads}; a "
+            "mesh axis cannot split both"
+        )
+    return ShardingConfig(mesh, batch=batch, heads=heads)
+
+
+def pallas_layout_error(arrays: Sequence) -> str | None:
+    """Why the Pallas kernels cannot run on ``arrays`` as they are, or None.
+
+    Pallas kernels are opaque to XLA's partitioner. Under ``Auto`` mesh axes (a traced value's
+    type, or the mesh of ``jax.set_mesh``) the layout is not known at trace time, so the op cannot
+    run the kernels per shard; the public ops then fall back to the next implementation (xla,
+    which the partitioner splits).
+    """
+    meshes = [jax.sharding.get_abstract_mesh()]
+    for x in arrays:
+        if isinstance(x, jax.core.Tracer):
+            meshes.append(getattr(jax.typeof(x).sharding, "mesh", None))
+    for m in meshes:
+        if m is None or m.empty:
+            continue
+        auto = [a for a, t in zip(m.axis_names, m.axis_types, strict=True)
+                if t == AxisType.Auto and m.shape[a] > 1]  # fmt: skip
+        if auto:
+            return (
+                f"the Pallas kernels are opaque to XLA's partitioner and the inputs' layout on the "
+                f"Auto mesh axes {tuple(auto)} is not known at trace time; use Explicit axes "
+                "(jax.make_mesh's default) or pass sharding=gdn_jax.sharding.ShardingConfig(...) "
+                "to run the kernels per shard"
+            )
+    return None
+
+
+def _unsharded(tree):
+    """Shape/dtype structs without shardings: the op's checks on the global shapes then trace
+    the unsharded op (a sharded type would make the public op shard itself again)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+# --------------------------------------------------------------------------------------------
+# Model pieces on Explicit mesh axes (sharding in types)
+# --------------------------------------------------------------------------------------------
+
+
+def explicit_mesh(*xs):
+    """The (abstract) mesh of the first of ``xs`` whose type has Explicit mesh axes, or None."""
+    for x in xs:
+        if x is None:
+            continue
+        m = getattr(jax.typeof(x).sharding, "mesh", None)
+        if m is not None and not m.empty and AxisType.Explicit in m.axis_types:
+            return m
+    return None
+
+
+def explicit_axes_of(x) -> tuple[tuple[str, ...], ...]:
+    """Per dimension of ``x``, the Explicit mesh axes that split it in its type (``()``: none)."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    spec = spec + (None,) * (x.ndim - len(spec))
+    return tuple(_as_tuple(e) if e is not P.UNCONSTRAINED else () for e in spec[: x.ndim])
+
+
+def projection_dot_general(dot_general: Callable) -> Callable:
+    """``dot_general`` for a projection ``x [..., in] @ W [in, out]`` that also runs on Explicit
+    mesh axes (plain jit with sharded arrays, JAX's default mesh type).
+
+    There the output sharding must be stated and the operands must agree on the contracted
+    dimension. The kernel's ``in`` dimension is moved to the layout of x's last dimension (FSDP's
+    all-gather of a weight when x's features are whole; nothing for a row-parallel weight whose
+    ``in`` matches head-sharded features), its ``out`` dimension keeps the mesh axes that x does
+    not use elsewhere (column parallel: the heads stay sharded), and the output is
+    ``P(*x's leading axes, out's axes)`` (a contraction over a sharded dimension is summed over
+    its shards). Without Explicit axes it is ``dot_general`` unchanged.
+    """
+
+    @functools.wraps(dot_general)
+    def dg(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+           out_sharding=None):  # fmt: skip
+        mesh = explicit_mesh(lhs, rhs)
+        (lc, rc), (lb, rb) = dimension_numbers
+        plain = tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
+        if mesh is not None and out_sharding is None and plain and rhs.ndim == 2:
+            lax_ = explicit_axes_of(lhs)
+            used = {a for ax in lax_ for a in ax}
+            out_ax = tuple(a for a in explicit_axes_of(rhs)[1] if a not in used)
+            want = NamedSharding(mesh, P(_entry(lax_[-1]), _entry(out_ax)))
+            rhs = jax.sharding.reshard(rhs, want)
+            out_sharding = NamedSharding(mesh, P(*map(_entry, lax_[:-1]), _entry(out_ax)))
+        return dot_general(
+            lhs, rhs, dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type, out_sharding=out_sharding,
+        )  # fmt: skip
+
+    return dg
+
+
+def in_auto_axes(fn: Callable, out_specs, *args):
+    """``fn(*args)`` with Explicit mesh axes turned into Auto ones (XLA's partitioner decides the
+    layout inside), its outputs laid out as ``out_specs`` (a PartitionSpec or a pytree of them
+    matching the outputs); plain ``fn(*args)`` without Explicit axes.
+
+    For the few model pieces whose sharding JAX cannot infer on Explicit axes (a gather from a
+    sharded embedding table, attention over grouped heads).
+    """
+    mesh = explicit_mesh(*jax.tree.leaves(args))
+    if mesh is None:
+        return fn(*args)
+    out = jax.tree.map(
+        lambda sp: NamedSharding(mesh, sp), out_specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
+
+
+def laid_out_like(x, ref, *others):
+    """``x`` moved to ``ref``'s layout when ``ref``, ``x`` or ``others`` are on Explicit mesh axes
+    (a cache keeps the layout it came in with; a ``ref`` on no mesh means replicated); ``x``
+    unchanged otherwise."""
+    mesh = explicit_mesh(ref, x, *others)
+    if mesh is None:
+        return x
+    axes = explicit_axes_of(ref) if explicit_mesh(ref) is not None else ((),) * ref.ndim
+    return jax.sharding.reshard(x, NamedSharding(mesh, P(*map(_entry, axes))))
+
+
 def _reshard(cfg: ShardingConfig, x, spec: P):
     # shard_map asserts (does not convert) the layout of Explicit-axis inputs; Auto axes are
     # resharded by the partitioner on its own.
@@ -302,7 +562,7 @@ def shard_op(op: Callable, config: ShardingConfig) -> Callable:
         jax.eval_shape(
             lambda a, h, cu: op(*a, initial_state=h, output_final_state=output_final_state,
                                 cu_seqlens=cu, **kw),
-            arrays, initial_state, cu_seqlens,
+            *_unsharded((arrays, initial_state, cu_seqlens)),
         )  # fmt: skip
         q, v = arrays[0], arrays[2]
         B, T, H = q.shape[:3]
@@ -378,7 +638,7 @@ def shard_step(op: Callable, config: ShardingConfig) -> Callable:
 
     @functools.wraps(op)
     def sharded(*arrays, **kw):
-        jax.eval_shape(lambda a: op(*a, **kw), arrays)  # the op's checks on global shapes
+        jax.eval_shape(lambda a: op(*a, **kw), _unsharded(arrays))  # checks on global shapes
         *tokens, state = arrays
         q, v = tokens[0], tokens[2]
         _check(config, q.shape[0], q.shape[1], q.shape[2], v.shape[2], None)
@@ -441,7 +701,8 @@ def make_mesh(
         takes its first devices.
       axis_type: the axis type of every axis. ``Auto`` (default) lets the partitioner propagate
         shardings from annotated parameters and inputs (what the model rules assume); ``Explicit``
-        works with :func:`shard_op` too.
+        (``jax.make_mesh``'s default) works as well: the ops, layers and model read layouts off
+        their inputs (docs/sharding.md).
 
     Returns:
       A :class:`jax.sharding.Mesh`.

@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
+from jax.sharding import PartitionSpec as P
 
 from gdn_jax import remat
 from gdn_jax.nn.layers import EMBED, HEADS, KV_HEADS, RMSNorm, dense
+from gdn_jax.sharding import _entry, explicit_axes_of, in_auto_axes, laid_out_like
 
 __all__ = ["GatedAttention", "KVCache", "apply_rotary"]
 
@@ -48,6 +50,20 @@ def apply_rotary(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: 
     x1, x2 = xr[..., :half], xr[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return jnp.concatenate([rotated.astype(x.dtype), xp], axis=-1)
+
+
+def _write(cache: jax.Array, x: jax.Array, start) -> jax.Array:
+    """``x`` written into ``cache`` at ``start``; on Explicit mesh axes in the cache's layout."""
+    x = laid_out_like(x.astype(cache.dtype), cache)
+    return jax.lax.dynamic_update_slice(laid_out_like(cache, cache, x), x, start)
+
+
+def _attend(q, k, v, *, mask, is_causal: bool = False):
+    """``jax.nn.dot_product_attention``; on Explicit mesh axes XLA's partitioner lays out its
+    grouped-head products and the output is laid out like q."""
+    out = P(*(_entry(a) for a in explicit_axes_of(q)))
+    fn = lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+    return in_auto_axes(fn, out, q, k, v, mask)
 
 
 class GatedAttention(nnx.Module):
@@ -117,7 +133,7 @@ class GatedAttention(nnx.Module):
           [B, T, D].
         """
         q, k, v = self._qkv(x, positions)
-        o = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, is_causal=mask is None)
+        o = _attend(q, k, v.astype(q.dtype), mask=mask, is_causal=mask is None)
         return self._output(o, x)
 
     def _qkv(self, x, positions):
@@ -155,12 +171,10 @@ class GatedAttention(nnx.Module):
         q, k, v = self._qkv(x, jnp.broadcast_to(t, (B, T)))
         start = (0, pos, 0, 0)
         cache = KVCache(
-            k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
-            v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start),
+            k=_write(cache.k, k, start),
+            v=_write(cache.v, v, start),
         )
         # Query at position t sees cached keys at positions <= t (later slots are empty).
         mask = (jnp.arange(cache.k.shape[1])[None, :] <= t[:, None])[None, None]
-        o = jax.nn.dot_product_attention(
-            q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask=mask
-        )
+        o = _attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask=mask)
         return self._output(o, x), cache

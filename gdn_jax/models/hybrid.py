@@ -21,11 +21,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gdn_jax import remat
 from gdn_jax.models.attention import GatedAttention, KVCache
 from gdn_jax.nn.gated_deltanet import GatedDeltaNet, GDNCache, Variant
-from gdn_jax.nn.layers import EMBED, MLP, VOCAB, RMSNorm, dense, partitioned, sequence_starts
+from gdn_jax.nn.layers import (
+    EMBED,
+    MLP,
+    VOCAB,
+    RMSNorm,
+    dense,
+    partitioned,
+    project,
+    sequence_starts,
+)
+from gdn_jax.sharding import _entry, explicit_axes_of, explicit_mesh, in_auto_axes
 
 if TYPE_CHECKING:
     from gdn_jax.qat import QATConfig
@@ -425,7 +437,7 @@ class HybridLM(nnx.Module):
             positions = (t - start)[None]
             # Same sequence (same start) and causal.
             mask = ((start[:, None] == start[None, :]) & (t[:, None] >= t[None, :]))[None, None]
-        x = self.embed(tokens)
+        x = self._embed(tokens)
         for layer, policy in zip(self.layers, policies, strict=True):
             if policy is None:
                 x = layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
@@ -474,7 +486,11 @@ class HybridLM(nnx.Module):
         def sums(x, targets, mask):  # [B, c, D], [B, c], [B, c] -> (Σ nll, Σ correct)
             logits = self._logits(x)
             lse = jax.nn.logsumexp(logits, axis=-1)
-            target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+            # (A gather from vocabulary-sharded logits: on Explicit axes the partitioner does it.)
+            target = in_auto_axes(
+                lambda lg, t: jnp.take_along_axis(lg, t[..., None], axis=-1)[..., 0],
+                P(*(_entry(a) for a in explicit_axes_of(targets))), logits, targets,
+            )  # fmt: skip
             correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
             return jnp.sum((lse - target) * mask), jnp.sum(correct * mask)
 
@@ -497,9 +513,22 @@ class HybridLM(nnx.Module):
         n_tok = jnp.maximum(jnp.sum(mask), 1.0)
         return nll / n_tok, correct / n_tok
 
+    def _embed(self, tokens):
+        mesh = explicit_mesh(tokens)
+        if mesh is None:
+            return self.embed(tokens)
+        # Explicit mesh axes: the lookup from a (vocab / FSDP) sharded table is left to XLA's
+        # partitioner; the embeddings are laid out like the tokens.
+        out = P(*(_entry(a) for a in explicit_axes_of(tokens)), None)
+        return self.embed(tokens, out_sharding=NamedSharding(mesh, out))
+
     def _logits(self, x):
         x = self.norm(x)
-        logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
+        if self.config.tie_embeddings:
+            x, table = self.embed.promote_dtype((x, self.embed.embedding[...]), dtype=self.dtype)
+            logits = project(x, table.T)
+        else:
+            logits = self.lm_head(x)
         return logits.astype(jnp.float32)
 
     def init_cache(self, batch_size: int, max_len: int) -> HybridCache:
@@ -532,7 +561,7 @@ class HybridLM(nnx.Module):
         Returns:
           logits [B, T, vocab] f32 ([B, 1, vocab] with ``last_only``) and the updated cache.
         """
-        x = self.embed(tokens)
+        x = self._embed(tokens)
         new = []
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x, layer_cache = layer.extend(x, layer_cache, cache.pos)

@@ -25,6 +25,7 @@ from flax.typing import Dtype
 from gdn_jax import fp8 as fp8_lib
 from gdn_jax import ops, remat
 from gdn_jax.nn.layers import EMBED, HEADS, GatedRMSNorm, ShortConv, dense, partitioned
+from gdn_jax.sharding import check_sequence_unsplit, laid_out_like
 
 if TYPE_CHECKING:
     from gdn_jax.qat import QATConfig
@@ -230,6 +231,8 @@ class GatedDeltaNet(nnx.Module):
         Returns:
           [B, T, D].
         """
+        if self.sharding is None or not self.sharding.context:
+            check_sequence_unsplit("GatedDeltaNet", "x", x)
         q = self.q_conv(self.q_proj(x), cu_seqlens=cu_seqlens)
         k = self.k_conv(self.k_proj(x), cu_seqlens=cu_seqlens)
         v = self.v_conv(self.v_proj(x), cu_seqlens=cu_seqlens)
@@ -277,6 +280,7 @@ class GatedDeltaNet(nnx.Module):
         Returns:
           y [B, T, D] and the updated cache.
         """
+        check_sequence_unsplit("GatedDeltaNet.extend", "x", x, decode=x.shape[1] == 1)
         xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = self.q_conv(xq, tail=cache.conv_q)
         k = self.k_conv(xk, tail=cache.conv_k)
@@ -298,10 +302,11 @@ class GatedDeltaNet(nnx.Module):
                 use_qk_l2norm=self.use_qk_l2norm,
                 **self._core_options(),
             )
+        # On Explicit mesh axes the new cache keeps the layout of the one passed in.
         new_cache = GDNCache(
-            conv_q=self.q_conv.next_tail(xq, cache.conv_q),
-            conv_k=self.k_conv.next_tail(xk, cache.conv_k),
-            conv_v=self.v_conv.next_tail(xv, cache.conv_v),
-            state=state,
+            conv_q=laid_out_like(self.q_conv.next_tail(xq, cache.conv_q), cache.conv_q),
+            conv_k=laid_out_like(self.k_conv.next_tail(xk, cache.conv_k), cache.conv_k),
+            conv_v=laid_out_like(self.v_conv.next_tail(xv, cache.conv_v), cache.conv_v),
+            state=laid_out_like(state, cache.state),
         )
         return self._output(o, x), new_cache

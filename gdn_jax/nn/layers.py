@@ -8,6 +8,7 @@ divides the head count splits them on head boundaries.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -85,9 +86,30 @@ def dense(
         dtype=dtype,
         param_dtype=param_dtype,
         kernel_init=partitioned(kernel_init, axes),
-        dot_general=fp8_lib.dot_general(fp8),
+        # FP8 dot_generals take no out_sharding: only the plain one is made Explicit-axis aware.
+        dot_general=_projection(jax.lax.dot_general) if fp8 is None else fp8_lib.dot_general(fp8),
         rngs=rngs,
     )
+
+
+@functools.cache
+def _projection(dot_general):
+    # One wrapped function per dot_general, so identical layers keep identical graphdefs.
+    from gdn_jax.sharding import projection_dot_general
+
+    return projection_dot_general(dot_general)
+
+
+def _like(x, ref):
+    from gdn_jax.sharding import laid_out_like
+
+    return laid_out_like(x, ref)
+
+
+def project(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [..., in] @ kernel [in, out]`` as the projections compute it (also on Explicit axes)."""
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    return _projection(jax.lax.dot_general)(x, kernel, dims)
 
 
 def sequence_starts(cu_seqlens: jax.Array, T: int) -> jax.Array:
@@ -170,7 +192,7 @@ class ShortConv(nnx.Module):
         elif tail.shape != (B, W - 1, C):
             raise ValueError(f"{tail.shape=}: expected {(B, W - 1, C)}")
         else:
-            xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)
+            xp = jnp.concatenate([_like(tail.astype(x.dtype), x), x], axis=1)
         dtype = self.dtype or x.dtype
         w = self.weight[...].astype(jnp.float32)
         xp = xp.astype(jnp.float32)
@@ -191,7 +213,7 @@ class ShortConv(nnx.Module):
 
     def next_tail(self, x: jax.Array, tail: jax.Array) -> jax.Array:
         """The last ``kernel_size - 1`` inputs after appending ``x`` [B, T, C] to ``tail``."""
-        xp = jnp.concatenate([tail, x.astype(tail.dtype)], axis=1)
+        xp = jnp.concatenate([_like(tail, x), x.astype(tail.dtype)], axis=1)
         return xp[:, xp.shape[1] - (self.kernel_size - 1) :]
 
 

@@ -112,6 +112,26 @@ def _sharded(op, sharding, arrays, **kw):
     return shard_op(op, sharding)(*arrays, **kw)
 
 
+def _implicit_sharding(name: str, names: str, arrays, state=None, *, decode: bool = False):
+    """The ShardingConfig the inputs' layouts ask for (None: run unsharded); see
+    :func:`gdn_jax.sharding.implicit_config`. ``names`` are the arrays' names, space-separated;
+    v (the third) is looked at first, then q, k and the gates."""
+    from gdn_jax.sharding import implicit_config
+
+    named = list(zip(names.split(), arrays, strict=True))
+    order = [named[2], named[0], named[1], *named[3:]]
+    return implicit_config(name, order, state, decode=decode)
+
+
+def _pallas_sees_layout(*arrays) -> None:
+    """NotImplementedError when the Pallas kernels cannot know the inputs' layout (Auto axes)."""
+    from gdn_jax.sharding import pallas_layout_error
+
+    why = pallas_layout_error(arrays)
+    if why is not None:
+        raise NotImplementedError(why)
+
+
 def _pallas_has_no_qat(qat) -> None:
     """The KDA/GDN2 Pallas kernels have no fused QAT (GDN's do): xla serves those calls."""
     if qat is not None:
@@ -169,6 +189,10 @@ def gated_delta_rule(
     Example:
       >>> o, s = gdn_jax.gated_delta_rule(q, k, v, g, beta, output_final_state=True)
     """
+    if sharding is None:
+        sharding = _implicit_sharding(
+            "gated_delta_rule", "q k v g beta", (q, k, v, g, beta), ("initial_state", initial_state)
+        )
     if sharding is not None:
         return _sharded(
             gated_delta_rule, sharding, (q, k, v, g, beta),
@@ -193,6 +217,7 @@ def gated_delta_rule(
         )  # fmt: skip
 
     def run_pallas(fn):  # the GDN kernels fuse QAT (w and state sites) themselves
+        _pallas_sees_layout(q, k, v, g, beta, initial_state)
         return fn(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
@@ -228,6 +253,7 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
 
     def run_pallas(fn):
         _pallas_has_no_qat(qat)
+        _pallas_sees_layout(q, k, v, g, b, w, initial_state)
         return fn(
             q, k, v, g, b, w, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
@@ -275,6 +301,10 @@ def kda(
     B, T, H, HV, K, V, N = val.check_common(
         q, k, v, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
     )
+    if sharding is None:
+        sharding = _implicit_sharding(
+            "kda", "q k v g beta", (q, k, v, g, beta), ("initial_state", initial_state)
+        )
     if sharding is not None:
         return _sharded(
             kda, sharding, (q, k, v, g, beta),
@@ -331,6 +361,10 @@ def gdn2(
     )
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("b", b, (B, T, HV, K))
+    if sharding is None:
+        sharding = _implicit_sharding(
+            "gdn2", "q k v g b w", (q, k, v, g, b, w), ("initial_state", initial_state)
+        )
     if sharding is not None:
         return _sharded(
             gdn2, sharding, (q, k, v, g, b, w),
@@ -357,6 +391,17 @@ def _check_step(q, k, v, state):
     return B, T, H, HV, K, V
 
 
+def _step_per_shard(op, name: str, names: str, arrays, state, **kw):
+    """``op`` per shard through :func:`gdn_jax.sharding.shard_step` when the inputs' layouts ask
+    for it; None otherwise (the caller runs unsharded)."""
+    cfg = _implicit_sharding(name, names, arrays, ("state", state), decode=True)
+    if cfg is None:
+        return None
+    from gdn_jax.sharding import shard_step
+
+    return shard_step(op, cfg)(*arrays, state, **kw)
+
+
 def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk_l2norm):
     """Runs a decode step in GDN2 form (g, b scalar [B, T, HV] or channel; w None = scalar b)."""
     K = q.shape[-1]
@@ -373,6 +418,7 @@ def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk
     def run_pallas():
         from gdn_jax.ops._step_pallas import step_pallas
 
+        _pallas_sees_layout(q, k, v, g, b, w, state)
         return step_pallas(q, k, v, g, b, w, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
     return _run(f"{variant}_step", implementation, run_xla, run_pallas, default="step")
@@ -407,6 +453,12 @@ def gated_delta_rule_step(
     B, T, H, HV, K, V = _check_step(q, k, v, state)
     val.check_gate("g", g, (B, T, HV))
     val.check_gate("beta", beta, (B, T, HV))
+    sharded = _step_per_shard(
+        gated_delta_rule_step, "gated_delta_rule_step", "q k v g beta", (q, k, v, g, beta),
+        state, scale=scale, use_qk_l2norm=use_qk_l2norm, implementation=implementation,
+    )  # fmt: skip
+    if sharded is not None:
+        return sharded
     f = jnp.float32
     return _run_step(
         "gdn", implementation, q, k, v, g.astype(f), beta.astype(f), None, state,
@@ -433,6 +485,12 @@ def kda_step(
     B, T, H, HV, K, V = _check_step(q, k, v, state)
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("beta", beta, (B, T, HV))
+    sharded = _step_per_shard(
+        kda_step, "kda_step", "q k v g beta", (q, k, v, g, beta), state, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, implementation=implementation,
+    )  # fmt: skip
+    if sharded is not None:
+        return sharded
     f = jnp.float32
     return _run_step(
         "kda", implementation, q, k, v, g.astype(f), beta.astype(f), None, state,
@@ -461,6 +519,12 @@ def gdn2_step(
     val.check_gate("g", g, (B, T, HV, K))
     val.check_gate("b", b, (B, T, HV, K))
     val.check_gate("w", w, (B, T, HV, V))
+    sharded = _step_per_shard(
+        gdn2_step, "gdn2_step", "q k v g b w", (q, k, v, g, b, w), state, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, implementation=implementation,
+    )  # fmt: skip
+    if sharded is not None:
+        return sharded
     f = jnp.float32
     return _run_step(
         "gdn2", implementation, q, k, v, g.astype(f), b.astype(f), w.astype(f), state,
