@@ -27,7 +27,8 @@ def token_ids(name: str, ids, vocab_size: int, *, mask=None) -> jax.Array:
       vocab_size: number of ids.
       mask: optional [B, T] weights; positions with weight 0 are not checked (padding).
     Returns:
-      ``ids`` unchanged when concrete (checked), else clipped to ``[0, vocab_size - 1]``.
+      ``ids`` clipped to ``[0, vocab_size - 1]`` (unchanged when concrete and unmasked: every id
+      was checked); ids at masked positions may be anything.
     """
     check_array(name, ids)
     if ids.ndim != 2:
@@ -47,11 +48,13 @@ def token_ids(name: str, ids, vocab_size: int, *, mask=None) -> jax.Array:
                 f"e.g. {bad.ravel()[:4].tolist()}"
                 + (" (give padding positions mask 0)" if name == "targets" else "")
             )
-        return ids
-    inside = (ids >= 0) & (ids < vocab_size)
-    if counted is not None:
-        inside = inside | ~counted
-    checks.check(jnp.all(inside), f"{name} must lie in [0, {vocab_size}) (vocab_size)")
+        if counted is None:
+            return ids
+    else:
+        inside = (ids >= 0) & (ids < vocab_size)
+        if counted is not None:
+            inside = inside | ~counted
+        checks.check(jnp.all(inside), f"{name} must lie in [0, {vocab_size}) (vocab_size)")
     return jnp.clip(ids, 0, vocab_size - 1)
 
 
