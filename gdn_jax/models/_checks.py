@@ -35,12 +35,11 @@ def token_ids(name: str, ids, vocab_size: int, *, mask=None) -> jax.Array:
         raise ValueError(f"{name} must be 2-D [B, T] token ids; got {name}.shape={ids.shape}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be integer token ids; got {name}.dtype={ids.dtype}")
-    counted = None if mask is None else mask != 0
     if checks.is_concrete(ids, mask):
         a = np.asarray(ids)
         out = (a < 0) | (a >= vocab_size)
-        if counted is not None:
-            out &= np.asarray(counted)
+        if mask is not None:
+            out &= np.asarray(mask) != 0
         if out.any():
             bad = a[out]
             raise ValueError(
@@ -48,12 +47,12 @@ def token_ids(name: str, ids, vocab_size: int, *, mask=None) -> jax.Array:
                 f"e.g. {bad.ravel()[:4].tolist()}"
                 + (" (give padding positions mask 0)" if name == "targets" else "")
             )
-        if counted is None:
+        if mask is None:
             return ids
     else:
         inside = (ids >= 0) & (ids < vocab_size)
-        if counted is not None:
-            inside = inside | ~counted
+        if mask is not None:
+            inside = inside | (mask == 0)
         checks.check(jnp.all(inside), f"{name} must lie in [0, {vocab_size}) (vocab_size)")
     return jnp.clip(ids, 0, vocab_size - 1)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.typing import Dtype
 
@@ -146,7 +147,7 @@ class GatedDeltaNet(nnx.Module):
             num_v_heads=num_v_heads, v_head_dim=v_head_dim, conv_kernel=conv_kernel,
         )  # fmt: skip
         for name, n in sizes.items():
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {name}={n!r}")
         if num_v_heads % num_heads:
             raise ValueError(f"{num_v_heads=} must be a multiple of {num_heads=}")

@@ -142,8 +142,9 @@ def check_log_decay(name: str, g) -> None:
     recurrence). Concrete values are checked now (one reduction and a host read), traced ones in
     checked mode."""
     if checks.is_concrete(g):
-        a = np.asarray(g, np.float32)
-        top = float(np.max(np.where(np.isnan(a), -np.inf, a), initial=-1.0))
+        with jax.ensure_compile_time_eval():  # on the device, also while tracing; reads 1 value
+            g32 = jnp.asarray(g, jnp.float32)
+            top = float(jnp.max(jnp.where(jnp.isnan(g32), -jnp.inf, g32), initial=-1.0))
         if top > 0:
             raise ValueError(
                 f"{name} is a log-decay and must be <= 0 (a decay factor e^{name} <= 1; -inf "
