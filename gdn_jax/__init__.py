@@ -4,7 +4,8 @@ Chunked, trainable ops with a pure-JAX ``"xla"`` implementation that runs anywhe
 Mosaic GPU kernels (``"pallas"``) on Hopper GPUs.
 """
 
-from gdn_jax import convert, models, nn, qat, reference
+from gdn_jax import checks, convert, fp8, models, nn, qat, reference, remat
+from gdn_jax.checks import checked
 from gdn_jax.nn import GatedDeltaNet
 from gdn_jax.ops import (
     gated_delta_rule,
@@ -17,7 +18,10 @@ from gdn_jax.ops import (
 
 __all__ = [
     "GatedDeltaNet",
+    "checked",
+    "checks",
     "convert",
+    "fp8",
     "gated_delta_rule",
     "gated_delta_rule_step",
     "gdn2",
@@ -28,6 +32,20 @@ __all__ = [
     "nn",
     "qat",
     "reference",
+    "remat",
+    "sharding",
 ]
+
+# Imported on first use: ``gdn_jax.sharding`` pulls in the shard_map machinery.
+_LAZY = ("sharding",)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"gdn_jax.{name}")
+    raise AttributeError(f"module 'gdn_jax' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"

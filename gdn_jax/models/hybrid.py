@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gdn_jax import remat
+from gdn_jax.models import _checks
 from gdn_jax.models.attention import GatedAttention, KVCache
 from gdn_jax.nn.gated_deltanet import GatedDeltaNet, GDNCache, Variant
 from gdn_jax.nn.layers import (
@@ -37,6 +38,7 @@ from gdn_jax.nn.layers import (
     project,
     sequence_starts,
 )
+from gdn_jax.ops._validate import prepare_cu_seqlens
 from gdn_jax.sharding import _entry, explicit_axes_of, explicit_mesh, in_auto_axes
 
 if TYPE_CHECKING:
@@ -428,7 +430,9 @@ class HybridLM(nnx.Module):
         policies = self.remat_policies if remat_policies is None else tuple(remat_policies)
         if len(policies) != len(self.layers):
             raise ValueError(f"{len(policies)=} must equal the number of layers {len(self.layers)}")
+        tokens = _checks.token_ids("tokens", tokens, self.config.vocab_size)
         B, T = tokens.shape
+        cu_seqlens = prepare_cu_seqlens(cu_seqlens, B, T)
         t = jnp.arange(T, dtype=jnp.int32)
         if cu_seqlens is None:
             positions, mask = jnp.broadcast_to(t, (B, T)), None
@@ -469,18 +473,20 @@ class HybridLM(nnx.Module):
           x: [B, T, hidden] from :meth:`hidden`.
           targets: [B, T] int next-token ids.
           mask: optional [B, T] weights (1: counted, 0: padding); default all ones.
-          chunk: positions per chunk; ``None`` (or ≥ T): one chunk, the plain computation. T must
-            be a multiple of ``chunk`` otherwise.
+          chunk: positions per chunk; ``None`` (or ≥ T): one chunk, the plain computation. Any T
+            works: the last chunk is padded with positions of weight 0.
         Returns:
           (loss, accuracy): f32 scalars, means over the weighted positions.
         """
+        if mask is not None and getattr(mask, "shape", None) != getattr(targets, "shape", None):
+            raise ValueError(f"mask must have targets' shape [B, T]; got {mask.shape=}, "
+                             f"{targets.shape=}")  # fmt: skip
+        targets = _checks.token_ids("targets", targets, self.config.vocab_size, mask=mask)
         B, T = targets.shape
         if x.shape[:2] != (B, T):
             raise ValueError(f"{x.shape=} must be [B, T, hidden] with [B, T] = {targets.shape=}")
         if mask is None:
             mask = jnp.ones((B, T), jnp.float32)
-        elif mask.shape != (B, T):
-            raise ValueError(f"{mask.shape=} must equal {targets.shape=}")
         mask = mask.astype(jnp.float32)
 
         def sums(x, targets, mask):  # [B, c, D], [B, c], [B, c] -> (Σ nll, Σ correct)
@@ -497,9 +503,10 @@ class HybridLM(nnx.Module):
         if chunk is None or chunk >= T:
             nll, correct = sums(x, targets, mask)
         else:
-            if chunk <= 0 or T % chunk:
-                raise ValueError(f"{chunk=} must be positive and divide T = {T}")
-            n = T // chunk
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+                raise ValueError(f"chunk must be a positive int or None; got {chunk=}")
+            x, targets, mask = _checks.pad_time(chunk, x, targets, mask)  # padding: weight 0
+            n = x.shape[1] // chunk
             split = lambda a: a.reshape(B, n, chunk, *a.shape[2:]).swapaxes(0, 1)
             body = jax.checkpoint(lambda xs: sums(*xs))  # logits recomputed in the backward
 
@@ -537,6 +544,7 @@ class HybridLM(nnx.Module):
         GDN layers keep a constant-size state; attention layers keep keys and values of every
         position (in the compute dtype, f32 if unset).
         """
+        _checks.cache_size(batch_size, max_len)
         dtype = self.dtype or jnp.float32
         layers = tuple(
             layer.mixer.init_cache(batch_size, max_len, dtype)
@@ -561,6 +569,8 @@ class HybridLM(nnx.Module):
         Returns:
           logits [B, T, vocab] f32 ([B, 1, vocab] with ``last_only``) and the updated cache.
         """
+        tokens = _checks.token_ids("tokens", tokens, self.config.vocab_size)
+        max_len = _checks.decode_cache(self, tokens, cache)
         x = self._embed(tokens)
         new = []
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
@@ -568,4 +578,5 @@ class HybridLM(nnx.Module):
             new.append(layer_cache)
         if last_only:
             x = x[:, -1:]
-        return self._logits(x), HybridCache(tuple(new), cache.pos + tokens.shape[1])
+        logits = _checks.fits_or_nan(self._logits(x), cache.pos, tokens.shape[1], max_len)
+        return logits, HybridCache(tuple(new), cache.pos + tokens.shape[1])

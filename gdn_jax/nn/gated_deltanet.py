@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.typing import Dtype
 
 from gdn_jax import fp8 as fp8_lib
 from gdn_jax import ops, remat
 from gdn_jax.nn.layers import EMBED, HEADS, GatedRMSNorm, ShortConv, dense, partitioned
+from gdn_jax.ops._validate import check_array, prepare_cu_seqlens
 from gdn_jax.sharding import check_sequence_unsplit, laid_out_like
 
 if TYPE_CHECKING:
@@ -141,6 +143,13 @@ class GatedDeltaNet(nnx.Module):
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         if variant not in _OPS:
             raise ValueError(f"{variant=}: expected one of {tuple(_OPS)}")
+        sizes = dict(
+            hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
+            num_v_heads=num_v_heads, v_head_dim=v_head_dim, conv_kernel=conv_kernel,
+        )  # fmt: skip
+        for name, n in sizes.items():
+            if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {name}={n!r}")
         if num_v_heads % num_heads:
             raise ValueError(f"{num_v_heads=} must be a multiple of {num_heads=}")
         self.hidden_size = hidden_size
@@ -181,6 +190,26 @@ class GatedDeltaNet(nnx.Module):
         )
         self.norm = GatedRMSNorm(V, eps=norm_eps, **kw)
         self.out_proj = dense(HV * V, D, (HEADS, EMBED), **pkw)
+
+    def _check_input(self, x) -> None:
+        check_array("x", x)
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"x must be [B, T, hidden_size={self.hidden_size}]; got x.shape={x.shape}"
+            )
+
+    def _check_cache(self, x, cache) -> None:
+        """``cache`` must be the GDNCache :meth:`init_cache` makes for x's batch size."""
+        want = jax.eval_shape(lambda: self.init_cache(x.shape[0]))
+        if not isinstance(cache, GDNCache):
+            raise ValueError(f"cache must be a GDNCache (init_cache); got {type(cache).__name__}")
+        for name, e in zip(GDNCache._fields, want, strict=True):
+            got = getattr(getattr(cache, name), "shape", None)
+            if got != e.shape:
+                raise ValueError(
+                    f"cache.{name} must have shape {e.shape} for x.shape={x.shape} with this "
+                    f"layer; got {got} (a cache of another batch size or layer?)"
+                )
 
     def _gates(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """The core op's gate arguments after (q, k, v), all f32."""
@@ -231,6 +260,8 @@ class GatedDeltaNet(nnx.Module):
         Returns:
           [B, T, D].
         """
+        self._check_input(x)
+        cu_seqlens = prepare_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
         if self.sharding is None or not self.sharding.context:
             check_sequence_unsplit("GatedDeltaNet", "x", x)
         q = self.q_conv(self.q_proj(x), cu_seqlens=cu_seqlens)
@@ -280,6 +311,8 @@ class GatedDeltaNet(nnx.Module):
         Returns:
           y [B, T, D] and the updated cache.
         """
+        self._check_input(x)
+        self._check_cache(x, cache)
         check_sequence_unsplit("GatedDeltaNet.extend", "x", x, decode=x.shape[1] == 1)
         xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = self.q_conv(xq, tail=cache.conv_q)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.ops import _sanitize, _xla
 from gdn_jax.ops import _validate as val
-from gdn_jax.ops import _xla
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference import recurrent as _rec
 
@@ -82,18 +82,20 @@ def _run(name: str, implementation, run_xla: Callable, run_pallas: Callable, *, 
       implementation: None (``default_implementations(default)``), a name or a sequence.
       default: the key of :func:`default_implementations`.
     """
+    expected = f"implementation must be None, one of {IMPLEMENTATIONS} or a non-empty sequence"
     if implementation is None:
         order = default_implementations(default)
     elif isinstance(implementation, str):
         order = (implementation,)
-    else:
+    elif isinstance(implementation, Sequence):
         order = tuple(implementation)
+    else:
+        raise ValueError(f"{expected} of them; got {implementation!r}")
+    if not order:
+        raise ValueError(f"{expected} of them; got an empty {type(implementation).__name__}")
     for impl in order:
         if impl not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"implementation must be None, one of {IMPLEMENTATIONS} or a sequence of them; "
-                f"got {impl!r}"
-            )
+            raise ValueError(f"{expected} of them; got {impl!r}")
     errors = []
     for impl in order:
         try:
@@ -140,8 +142,19 @@ def _pallas_has_no_qat(qat) -> None:
         )
 
 
-def _scale(K: int, scale):
-    return K**-0.5 if scale is None else scale
+def _prepare(q, k, v, g, heads, cols, *, scale, cu_seqlens):
+    """Value checks and sanitisation shared by the chunked ops and the decode steps.
+
+    Returns:
+      (q, k, v, g, heads, cols) sanitised (:mod:`gdn_jax.ops._sanitize`), the scale as a float,
+      the offsets to use and the Poison to apply to the results.
+    """
+    B, T = q.shape[:2]
+    scale = val.check_scale(scale, q.shape[-1])
+    val.check_log_decay("g", g)
+    cu_seqlens = val.sanitize_cu_seqlens(cu_seqlens, T)
+    clean, poison = _sanitize.inputs(q, k, v, g, heads, cols, cu_seqlens)
+    return clean, scale, cu_seqlens, poison
 
 
 def gated_delta_rule(
@@ -206,8 +219,12 @@ def gated_delta_rule(
     val.check_gate("g", g, (B, T, HV))
     val.check_gate("beta", beta, (B, T, HV))
     val.check_qat(qat, chunk_size)
-    g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
-    scale = _scale(K, scale)
+    if T == 0 or B == 0:
+        val.check_scale(scale, K)
+        return _empty(v, initial_state, N, HV, K, V, output_final_state)
+    (q, k, v, g, (beta,), _), scale, cu_seqlens, poison = _prepare(
+        q, k, v, g, (beta.astype(jnp.float32),), (), scale=scale, cu_seqlens=cu_seqlens
+    )
 
     def run_xla():
         b = beta[..., None]
@@ -224,26 +241,34 @@ def gated_delta_rule(
             cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
 
-    if T == 0:
-        return _empty(v, initial_state, N, HV, K, V, output_final_state)
     o, final = _run(
         "gdn", implementation, run_xla, lambda: run_pallas(_pallas("gdn")), default="gdn"
     )
-    return o, (final if output_final_state else None)
+    return poison.output(o), (poison.state(final, T) if output_final_state else None)
 
 
 def _empty(v, initial_state, N, HV, K, V, output_final_state):
+    """The result without tokens (T = 0) or without sequences (B = 0)."""
     final = jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None else initial_state
     return jnp.zeros(v.shape, v.dtype), (final if output_final_state else None)
 
 
 def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final_state,
                 use_qk_l2norm, cu_seqlens, chunk_size, implementation, qat):  # fmt: skip
-    """Shared body of kda and gdn2 once their gates are given GDN2's form."""
+    """Shared body of kda and gdn2 once their gates are given GDN2's form (b = w = β [.., 1]
+    for kda)."""
     B, T, K = q.shape[0], q.shape[1], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    scale = _scale(K, scale)
+    if T == 0 or B == 0:
+        val.check_scale(scale, K)
+        return _empty(v, initial_state, N, HV, K, V, output_final_state)
+    kda_gates = b is w
+    cols = () if kda_gates else (w,)
+    (q, k, v, g, (b,), cols), scale, cu_seqlens, poison = _prepare(
+        q, k, v, g, (b,), cols, scale=scale, cu_seqlens=cu_seqlens
+    )
+    w = b if kda_gates else cols[0]
 
     def run_xla():
         return _xla.chunked(
@@ -260,12 +285,10 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
             cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         )  # fmt: skip
 
-    if T == 0:
-        return _empty(v, initial_state, N, HV, K, V, output_final_state)
     o, final = _run(
         variant, implementation, run_xla, lambda: run_pallas(_pallas(variant)), default=variant
     )
-    return o, (final if output_final_state else None)
+    return poison.output(o), (poison.state(final, T) if output_final_state else None)
 
 
 def kda(
@@ -404,8 +427,14 @@ def _step_per_shard(op, name: str, names: str, arrays, state, **kw):
 
 def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk_l2norm):
     """Runs a decode step in GDN2 form (g, b scalar [B, T, HV] or channel; w None = scalar b)."""
-    K = q.shape[-1]
-    scale = _scale(K, scale)
+    if q.shape[0] == 0:  # no sequences
+        val.check_scale(scale, q.shape[-1])
+        return jnp.zeros(v.shape, v.dtype), state
+    cols = () if w is None else (w,)
+    (q, k, v, g, (b,), cols), scale, _, poison = _prepare(
+        q, k, v, g, (b,), cols, scale=scale, cu_seqlens=None
+    )
+    w = cols[0] if cols else None
 
     def run_xla():
         ge = g if g.ndim == 4 else g[..., None]
@@ -421,7 +450,8 @@ def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk
         _pallas_sees_layout(q, k, v, g, b, w, state)
         return step_pallas(q, k, v, g, b, w, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
-    return _run(f"{variant}_step", implementation, run_xla, run_pallas, default="step")
+    o, new_state = _run(f"{variant}_step", implementation, run_xla, run_pallas, default="step")
+    return poison.output(o), poison.state(new_state, q.shape[1])
 
 
 def gated_delta_rule_step(

@@ -142,5 +142,4 @@ def test_chunked_loss_equals_full_logits_loss():
     np.testing.assert_allclose(chunked(params, None)[0], want, rtol=1e-5)
     hlo = jax.jit(jax.grad(lambda p: chunked(p, 16)[0])).lower(params).as_text()
     assert "2x64x256xf32" not in hlo and "2x16x256xf32" in hlo
-    with pytest.raises(ValueError, match="chunk"):
-        chunked(params, 24)
+    np.testing.assert_allclose(chunked(params, 24)[0], want, rtol=1e-5)  # last chunk padded

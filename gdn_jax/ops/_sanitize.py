@@ -1,0 +1,137 @@
+"""Edge values of the chunked ops' inputs, handled before any implementation runs (so that
+``"xla"`` and ``"pallas"`` see the same arrays).
+
+Log-decay. ``g`` is clamped to ``[LOG_DECAY_FLOOR, 0]``: ``e^g`` of every ``g <= LOG_DECAY_FLOOR``
+is 0 in f32 (below half the smallest subnormal), so the clamp keeps the recurrence's values while
+the chunked forms, which take differences of chunk-local cumulative sums, never see ``-inf - -inf``.
+``g > 0`` (growth) is outside the supported range; concrete gates are rejected before this runs,
+traced ones are clamped to 0. The derivative is 1 inside the range and 0 outside it (the
+recurrence's ``e^g (...)`` is 0 at ``-inf``).
+
+Non-finite values (NaN, ±inf in q, k, v, β, b, w; NaN or +inf in g). The chunked forms multiply
+later rows by masked zeros (``0 · NaN = NaN``), which would spread a bad token backwards through
+its chunk. Each such value is replaced by 0 (derivative: straight through), the op runs on finite
+inputs, and NaN is put back where the token recurrence has it: in a sequence, a bad value in
+k, g, β or b at token t makes the head's outputs NaN from t on; in v or w the value column's;
+in q only token t's outputs. The final state is NaN in the same heads and columns. Earlier
+outputs are exactly those of the same inputs with the bad value replaced by any finite one.
+
+Cost: one elementwise pass over the inputs (``isfinite``, the replacement) and over the output,
+and a min-reduction over T of a [B, T, HV, V] flag (a segment-min with ``cu_seqlens``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gdn_jax.reference._common import sequence_ids
+
+__all__ = ["LOG_DECAY_FLOOR", "log_decay", "finite", "Poison", "inputs"]
+
+f32 = jnp.float32
+
+# e^{-104} < 2^-150: 0 in f32 with or without subnormals. Cumulative sums of 64 such tokens stay
+# near 6.7e3, where f32 resolves differences of gates to ~5e-4.
+LOG_DECAY_FLOOR = -104.0
+
+
+def log_decay(g: jax.Array) -> jax.Array:
+    """``g`` (f32) clamped to ``[LOG_DECAY_FLOOR, 0]``; NaN gives the floor (its outputs are
+    poisoned by :class:`Poison`). Derivative 1 inside the range, 0 outside."""
+    g = g.astype(f32)
+    inside = (g > LOG_DECAY_FLOOR) & (g <= 0)
+    return jnp.where(inside, g, jnp.where(g > 0, 0.0, LOG_DECAY_FLOOR))
+
+
+@jax.custom_jvp
+def finite(x: jax.Array) -> jax.Array:
+    """``x`` with NaN and ±inf replaced by 0; the derivative passes straight through."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+@finite.defjvp
+def _finite_jvp(primals, tangents):
+    return finite(primals[0]), tangents[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Poison:
+    """Where the token recurrence of the original inputs is NaN.
+
+    Attributes:
+      first: [N, HV, V] int32, the first token index (in [0, T)) from which a (sequence, head,
+        column) is NaN; T or more where it never is.
+      now: [B, T, HV] bool, tokens whose own output is NaN (a bad q).
+      seq: [T] int32 sequence of each token (packed inputs) or None (a sequence per batch row).
+    """
+
+    first: jax.Array
+    now: jax.Array
+    seq: jax.Array | None
+
+    def output(self, o: jax.Array) -> jax.Array:
+        """o [B, T, HV, V] with NaN where the recurrence has it."""
+        T = o.shape[1]
+        t = jnp.arange(T, dtype=jnp.int32)
+        if self.seq is None:
+            late = t[None, :, None, None] >= self.first[:, None]
+        else:
+            late = (t[:, None, None] >= self.first[self.seq])[None]
+        bad = late | self.now[..., None]
+        return o + jnp.where(bad, jnp.nan, 0.0).astype(o.dtype)
+
+    def state(self, s: jax.Array, T: int) -> jax.Array:
+        """Final states [N, HV, K, V] with NaN in the poisoned heads and columns."""
+        return s + jnp.where(self.first < T, jnp.nan, 0.0)[:, :, None, :].astype(s.dtype)
+
+
+def _bad(x: jax.Array, keep: int) -> jax.Array:
+    """Non-finite anywhere in the axes after the first ``keep``."""
+    bad = ~jnp.isfinite(x)
+    return jnp.any(bad, axis=tuple(range(keep, x.ndim))) if x.ndim > keep else bad
+
+
+def inputs(q, k, v, g, heads, cols, cu_seqlens):
+    """Sanitised inputs and the :class:`Poison` of the originals.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] or [B, T, HV, K] log-decay.
+      heads: gates whose bad values poison whole heads ([B, T, HV] or [B, T, HV, K]: β, b).
+      cols: gates whose bad values poison value columns ([B, T, HV, V]: GDN2's w).
+      cu_seqlens: sanitised [N + 1] int32 offsets or None.
+    Returns:
+      (q, k, v, g, heads, cols) with finite values and g in [LOG_DECAY_FLOOR, 0], and the Poison.
+    """
+    T, H = q.shape[1], q.shape[2]
+    HV = v.shape[2]
+    rep = HV // H
+    now = jnp.repeat(_bad(q, 3), rep, axis=2)  # [B, T, HV]
+    head = jnp.repeat(_bad(k, 3), rep, axis=2)
+    g32 = g.astype(f32)
+    bad_g = jnp.isnan(g32) | (g32 == jnp.inf)
+    head = head | (jnp.any(bad_g, axis=3) if g.ndim == 4 else bad_g)
+    for x in heads:
+        head = head | _bad(x, 3)
+    col = ~jnp.isfinite(v)
+    for x in cols:
+        col = col | ~jnp.isfinite(x)
+    t = jnp.arange(T, dtype=jnp.int32)[None, :, None, None]
+    idx = jnp.where(head[..., None] | col, t, T)  # [B, T, HV, V]
+    if cu_seqlens is None:
+        seq, first = None, jnp.min(idx, axis=1)
+    else:
+        seq = sequence_ids(cu_seqlens, T)
+        first = jax.ops.segment_min(idx[0], seq, num_segments=cu_seqlens.shape[0] - 1)
+    clean = (
+        finite(q),
+        finite(k),
+        finite(v),
+        log_decay(g),
+        tuple(finite(x) for x in heads),
+        tuple(finite(x) for x in cols),
+    )
+    return clean, Poison(first, now, seq)
