@@ -13,6 +13,7 @@ from gdn_jax.testing import check_2x, random_inputs
 
 # names of loss_and_grads' outputs: o, final state, then d(positional args), dh0
 NAMES = {
+    "gdn": ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
     "kda": ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
     "gdn2": ("o", "final_state", "dq", "dk", "dv", "dg", "db", "dw", "dh0"),
 }
