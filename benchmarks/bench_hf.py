@@ -17,7 +17,8 @@ One run, one random ``qwen3_5_0_8b``-shaped bf16 checkpoint on disk (written by
 The torch side runs in its own process (same checkpoint, same prompts) so the two never share
 device memory; it uses flash-linear-attention's kernels when ``fla`` imports (transformers picks
 them up). Rows ``{what, batch, seq, ours, torch, ratio}`` (DESIGN §8) go to ``--json``
-(default ``benchmarks/results/hf_h200.json``) and a markdown table is printed.
+(``benchmarks/results/hf_<device>.json`` on a GPU; see ``benchmarks/results.py``) and a
+markdown table is printed.
 
     # H200, from the checkout (FLA wheel, no dependency resolution):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site \
@@ -29,10 +30,7 @@ them up). Rows ``{what, batch, seq, ours, torch, ratio}`` (DESIGN §8) go to ``-
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -43,6 +41,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import results  # noqa: E402
 
 PROMPT_LEN = 128
 
@@ -55,7 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-short", type=int, default=32)
     p.add_argument("--decode-long", type=int, default=160)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "hf_h200.json"))
+    p.add_argument(
+        "--json",
+        default="auto",
+        help="results file: auto (benchmarks/results on a GPU), PATH, none",
+    )
     p.add_argument("--no-torch", action="store_true", help="skip the transformers side")
     p.add_argument(
         "--dry-run",
@@ -285,7 +288,6 @@ def main(argv=None) -> list[dict]:
         result = bench_torch(Path(args.checkpoint), args)
         Path(args.torch_child).write_text(json.dumps(result))
         return []
-    import jax
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "qwen3_5_random"
@@ -314,25 +316,8 @@ def main(argv=None) -> list[dict]:
         print("(no transformers numbers)")
     elif "versions" in torch:
         print(f"torch side: {torch['versions']}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    record = dict(
-        device=str(jax.devices()[0].device_kind),
-        date=datetime.date.today().isoformat(),
-        commit=commit,
-        command=" ".join([os.path.basename(sys.executable), "benchmarks/bench_hf.py", *argv]),
-        versions=dict(
-            jax=jax.__version__,
-            python=platform.python_version(),
-            **((torch or {}).get("versions") or {}),
-        ),  # fmt: skip
-        dry_run=args.dry_run,
-        rows=rows,
-    )
-    if not args.dry_run or args.json != parse_args([]).json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=1))
-        print(f"wrote {args.json}")
+    note = "dry run (CPU smoke)" if args.dry_run else None
+    results.write(results.output_path(args.json, "hf"), "hf", rows, date=results.now(), note=note)
     return rows
 
 

@@ -234,6 +234,30 @@ def sharding_section(doc: dict) -> list[str]:
     return out
 
 
+def hf_section(doc: dict) -> list[str]:
+    rows = list(doc["rows"])
+    body = []
+    for r in rows:
+        fmt = lambda x: "—" if x is None else (f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}")
+        body.append([r["what"], "—" if r["batch"] is None else str(r["batch"]),
+                     "—" if r["seq"] is None else str(r["seq"]), fmt(r["ours"]), fmt(r["torch"]),
+                     fmt(r.get("ratio")), _run_col(r)])  # fmt: skip
+    out = [
+        "## Hugging Face checkpoint: load, prefill, decode",
+        "",
+        "One random `qwen3_5_0_8b`-shaped bf16 checkpoint on disk (`Qwen3_5ForCausalLM` layout), "
+        "gdn_jax (`load_hf_model`, `HybridLM.extend`, `generate`) against transformers with FLA's "
+        "kernels (`from_pretrained`, forward, `generate`) in its own process "
+        "(`bench_hf.py`). `load_s` in seconds; `*_tok_s` in tokens/s (decode: greedy after a "
+        "128-token prompt, the difference of two generation lengths). Ratio > 1: gdn_jax is "
+        "better.",
+        "",
+    ]
+    out += _table(["what", "batch", "seq", "gdn_jax", "transformers+FLA", "ratio", "runs"], body)
+    out += _run_lines(rows, doc)
+    return out
+
+
 def render(docs: dict[str, dict | None]) -> str:
     """The page for the topic files ``docs`` (see :func:`load`)."""
     out = [
@@ -244,7 +268,7 @@ def render(docs: dict[str, dict | None]) -> str:
         "the bench scripts); do not edit by hand. Times in ms. Run letters are per section.",
     ]
     sections = {"ops": ops_section, "decode": decode_section, "model": model_section,
-                "sharding": sharding_section}  # fmt: skip
+                "sharding": sharding_section, "hf": hf_section}  # fmt: skip
     for topic in TOPICS:
         if docs[topic] is not None:
             out += [""] + sections[topic](docs[topic])

@@ -50,20 +50,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-TOPICS = ("ops", "decode", "model", "sharding")
+TOPICS = ("ops", "decode", "model", "sharding", "hf")
 # the fields that identify a row of each topic (rows with equal keys are the same measurement)
 KEYS = {
     "ops": ("variant", "shape", "mode", "dtype", "qat"),
     "decode": ("variant", "B", "H", "HV", "K", "V"),
     "model": ("preset", "layers", "batch", "seq", "setting", "gpu"),
     "sharding": ("preset", "layers", "seq", "mode", "devices", "global_batch", "config"),
+    "hf": ("what", "batch", "seq"),
 }
 STAGE_KEYS = ("variant", "shape", "dtype", "kernel")  # the ops file's per-kernel times
 RUN_FIELDS = ("date", "commit", "command", "note", "versions")  # what each entry of runs says
 
 
 def git_commit() -> str | None:
-    """The checkout's short commit (``+`` appended when the work tree has changes), or None."""
+    """The checkout's short commit (``+`` appended when the work tree has changes), or None.
+
+    ``BENCH_COMMIT`` in the environment overrides it: a copy of the tree without its git history
+    (a remote GPU machine) names the commit it was made from that way.
+    """
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         run = lambda *a: subprocess.run(
             ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
