@@ -7,8 +7,9 @@ one decode step for the whole batch (the decode kernels): a sequence still insid
 fed its next prompt token, the others their sampled token. So every sequence's caches see
 exactly its own tokens in order, no padding token ever enters a recurrent state, and all
 sequences share one position counter. The decode steps run on the device in one jitted
-``lax.while_loop`` (caches donated, no host round trip per token) that ends when every sequence
-is done; it compiles once per (batch size, cache length, new-token count, sampling options).
+``lax.while_loop`` (the caches are its carry, updated in place; no host round trip per token)
+that ends when every sequence is done; it compiles once per (batch size, cache length, new-token
+count, sampling options).
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ def _prefill(graphdef, state, cache, tokens):
     jax.jit,
     static_argnums=(0,),
     static_argnames=("temperature", "top_k", "top_p"),
-    donate_argnums=(2,),
 )
 def _decode_loop(
     graphdef, state, cache, logits, start, stop, prompts, lengths, eos, rng, out,
