@@ -116,8 +116,8 @@ def test_snippets_run(path, tmp_path, monkeypatch):
     namespace: dict = {"__name__": f"snippets_{pathlib.Path(path).stem}"}
     for b in blocks:
         # Pad with blank lines so tracebacks give the line numbers of the markdown file.
-        code = compile("\n" * (b.line - 1) + b.source, str(ROOT / path), "exec")
         try:
+            code = compile("\n" * (b.line - 1) + b.source, str(ROOT / path), "exec")
             exec(code, namespace)
         except Exception as e:
             tb = traceback.format_exc(limit=-3)
