@@ -1,6 +1,6 @@
 """FP8 projections (gdn_jax.fp8): native backend numerics, the core guard, TE recipe checks.
 
-Tolerances (relative RMS against the BF16 layer, stated here and in docs/fp8_remat.md): e4m3 has
+Tolerances (relative RMS against the BF16 layer, stated here and in docs/training.md): e4m3 has
 3 mantissa bits, so one rounding is off by up to 2^-4 of the value (RMS ≈ 2^-4/√3 ≈ 3.6 %); a
 projection's output carries the error of two roundings (≈ 4-5 %) and the gradients, which add an
 e5m2 rounding (2 mantissa bits, RMS ≈ 7 %), ≈ 8-10 %. Through the whole GDN layer we allow 10 %
