@@ -16,7 +16,7 @@ One run, one random ``qwen3_5_0_8b``-shaped bf16 checkpoint on disk (written by
 
 The torch side runs in its own process (same checkpoint, same prompts) so the two never share
 device memory; it uses flash-linear-attention's kernels when ``fla`` imports (transformers picks
-them up). Rows ``{what, batch, seq, ours, torch, ratio}`` (DESIGN §8) go to ``--json``
+them up). Rows ``{what, batch, seq, ours, torch, ratio}`` (docs/design.md) go to ``--json``
 (``benchmarks/results/hf_<device>.json`` on a GPU; see ``benchmarks/results.py``) and a
 markdown table is printed.
 

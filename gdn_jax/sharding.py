@@ -1,7 +1,7 @@
 """Sharding: the GDN ops per shard through ``shard_map``, context parallelism, model rules, meshes.
 
 Pallas kernels are opaque to XLA's partitioner, so the ops run per shard inside
-:func:`jax.shard_map` (DESIGN §5). Every (sequence, value head) pair is independent, so batch and
+:func:`jax.shard_map`. Every (sequence, value head) pair is independent, so batch and
 head sharding need no communication at all. A sequence split over a mesh axis (context
 parallelism) needs the recurrent state to cross shard boundaries; two ways are offered:
 

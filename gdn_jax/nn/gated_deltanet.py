@@ -1,6 +1,6 @@
 """The Gated DeltaNet layer (Qwen3-Next / Qwen3.5 linear-attention block) and its decode cache.
 
-Forward, for x [B, T, D] (DESIGN §5)::
+Forward, for x [B, T, D] (docs/layers.md)::
 
     q, k, v = silu(conv(x Wq)), silu(conv(x Wk)), silu(conv(x Wv))   # depthwise causal, kernel 4
     g    = -exp(A_log) * softplus(x Wa + dt_bias)                      # f32, log-space decay

@@ -45,9 +45,9 @@ def _on_hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-# Variants whose Pallas kernels have passed their GPU tests on the H200 and are tried first by
-# default there (KDA/GDN2 since session 6: their GPU suite passed on the default kernels; GDN2
-# fwd+bwd at B4 T4096 HV16 takes 8.2 ms, xla 40.2 ms in session 5; benchmarks/RESULTS.md).
+# Variants whose Pallas kernels pass their GPU tests on the H200 and are tried first there: they
+# beat the xla path at every measured shape (KDA fwd+bwd at B4 T4096 HV16: 7.06 vs 36.1 ms in
+# bench_gdn.py, benchmarks/RESULTS.md).
 _PALLAS_BY_DEFAULT = ("gdn", "kda", "gdn2", "step")
 
 

@@ -72,8 +72,8 @@ def channel_backward_pallas(
         CTAs share an SM (bf16: K = V = 128; f16: K = 128 at either V, which f16 needs there;
         at K = 64 the one-CTA kernels already have those tiles and run instead, f16's dq/dk/dw
         as the split kernel's phased body on one CTA). On the H200 at B4 T4096 HV16 it halves
-        both kernels' time (2.39 vs 4.88 ms and 2.27 vs 4.34 ms, benchmarks/RESULTS.md session
-        5), hence the default.
+        both kernels' time (2.39 vs 4.88 ms and 2.27 vs 4.34 ms, bench_gdn.py --stages), hence
+        the default.
     Returns:
       (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
       db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32).
