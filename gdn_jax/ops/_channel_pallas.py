@@ -120,8 +120,9 @@ def intra_config(
     """The intra kernel's form for this core (K, V: the head sizes).
 
     Split over two CTAs (``ChannelIntraConfig.split``) at K = V = 128 for GDN2 always and for KDA
-    when A is stored, as measured on the H200 at B4 T4096 HV16 (bench_gdn.py --stages): GDN2 1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA without A 1.45
-    vs 1.40. f16 io: split at every K, V (the only form with the bf16 hi/lo operand tiles).
+    when A is stored, as measured on the H200 at B4 T4096 HV16 (bench_gdn.py --stages): GDN2
+    1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA without A 1.45 vs 1.40.
+    f16 io: split at every K, V (the only form with the bf16 hi/lo operand tiles).
     """
     split = K == V == 128 and (store_a or not cfg.scalar_beta)
     # f16: the decay-factored operands are bf16 hi/lo pairs, which only the split form has SMEM for
