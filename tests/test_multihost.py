@@ -1,9 +1,11 @@
-"""examples/train.py on JAX's multi-controller runtime: 2 CPU processes × 4 devices on localhost.
+"""The training examples on JAX's multi-controller runtime: 2 CPU processes × 4 devices on
+localhost.
 
-The 2-process run (DP × TP on a data=4 × tensor=2 mesh, each process feeding its own rows of the
-global batch, gloo collectives) gives the losses of one process with 8 devices, and the Orbax
-checkpoint it writes restores into a one-process run, which then continues exactly like an
-uninterrupted one-process run.
+examples/train.py: the 2-process run (DP × TP on a data=4 × tensor=2 mesh, each process feeding
+its own rows of the global batch, gloo collectives) gives the losses of one process with 8
+devices, and the Orbax checkpoint it writes restores into a one-process run, which then
+continues exactly like an uninterrupted one-process run. examples/finetune_hf.py: 2 processes
+fine-tune a random HF checkpoint with the losses of one process with 8 devices.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.py"
+FINETUNE = ROOT / "examples" / "finetune_hf.py"
 # One GDN layer, tiny MQAR batches, no held-out eval: the runs are dominated by compiling one step.
 ARGS = [
     "--layers=1", "--attention-interval=0", "--hidden=32", "--batch-size=8", "--num-pairs=4",
@@ -42,16 +45,21 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def train():
-    spec = importlib.util.spec_from_file_location("train_example_mh", EXAMPLE)
+def _main(path: Path, name: str):
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
 
 
-def test_two_processes_match_one_and_checkpoint_restores(train, tmp_path):
-    two = tmp_path / "two"
+@pytest.fixture(scope="module")
+def train():
+    return _main(EXAMPLE, "train_example_mh")
+
+
+def _two_processes(script: Path, args: list[str]) -> list[str]:
+    """Run ``script args`` as 2 processes × 4 CPU devices on localhost; their logs."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # Each process splits its CPU with --cpu-devices; the 8 fake devices of this test process
@@ -61,11 +69,9 @@ def test_two_processes_match_one_and_checkpoint_restores(train, tmp_path):
         subprocess.Popen(
             [
                 sys.executable,
-                str(EXAMPLE),
-                *ARGS,
-                "--stop-at=2",
+                str(script),
+                *args,
                 "--cpu-devices=4",
-                f"--out={two}",
                 f"--coordinator=localhost:{port}",
                 "--num-processes=2",
                 f"--process-id={i}",
@@ -88,6 +94,12 @@ def test_two_processes_match_one_and_checkpoint_restores(train, tmp_path):
             raise
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
+    return logs
+
+
+def test_two_processes_match_one_and_checkpoint_restores(train, tmp_path):
+    two = tmp_path / "two"
+    logs = _two_processes(EXAMPLE, [*ARGS, "--stop-at=2", f"--out={two}"])
     assert "process 0 of 2" in logs[0] and "done: 2 steps" in logs[0]
     assert "done:" not in logs[1]  # only process 0 logs, writes metrics and plots
     assert (two / "train.png").exists()
@@ -104,3 +116,21 @@ def test_two_processes_match_one_and_checkpoint_restores(train, tmp_path):
     np.testing.assert_allclose([h["loss"] for h in result["history"]], want, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(result["params"]), jax.tree.leaves(one["params"]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_finetune_two_processes_match_one(tmp_path):
+    # A 2-layer random checkpoint (GDN + attention), 2 steps of DP × TP.
+    args = [
+        "--random-layers=2", "--seq-len=16", "--batch-size=8", "--steps=2", "--log-every=1",
+        "--warmup=1", "--lr=1e-3", "--no-progress", "--mesh=data=4,tensor=2",
+    ]  # fmt: skip
+    two = tmp_path / "two"
+    logs = _two_processes(FINETUNE, [*args, f"--out={two}"])
+    assert "process 0 of 2" in logs[0] and "done:" in logs[0] and "done:" not in logs[1]
+    assert (two / "hf" / "model.safetensors").is_file() and any((two / "checkpoints").iterdir())
+    # One process with 8 devices from the checkpoint the 2 processes started from.
+    start = f"--model={two / 'random-checkpoint'}"
+    one = _main(FINETUNE, "finetune_example_mh")([*args, start, f"--out={tmp_path / 'one'}"])
+    want = [h["loss"] for h in one["history"]]
+    assert len(want) == 2 and want[0] != want[1]
+    np.testing.assert_allclose(_losses(two), want, rtol=1e-5)
