@@ -58,32 +58,26 @@ def train():
     return _main(EXAMPLE, "train_example_mh")
 
 
-def _two_processes(script: Path, args: list[str]) -> list[str]:
-    """Run ``script args`` as 2 processes × 4 CPU devices on localhost; their logs."""
-    port = _free_port()
+def _spawn(script: Path, args: list[str], process_id: int | None = None, port: int = 0):
+    """Start ``script args`` on 4 CPU devices as process ``process_id`` of 2 on localhost, or
+    (``process_id=None``) alone on 8 CPU devices."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # Each process splits its CPU with --cpu-devices; the 8 fake devices of this test process
     # (XLA_FLAGS from conftest) must not leak into them. Compile fast: the programs are tiny.
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(script),
-                *args,
-                "--cpu-devices=4",
-                f"--coordinator=localhost:{port}",
-                "--num-processes=2",
-                f"--process-id={i}",
-            ],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
+    if process_id is None:
+        runtime = ["--cpu-devices=8"]
+    else:
+        runtime = ["--cpu-devices=4", f"--coordinator=localhost:{port}", "--num-processes=2",
+                   f"--process-id={process_id}"]  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(script), *args, *runtime], env=env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _wait(procs) -> list[str]:
+    """The logs of ``procs`` once all exited (each must succeed)."""
     logs = []
     for p in procs:
         try:
@@ -95,6 +89,12 @@ def _two_processes(script: Path, args: list[str]) -> list[str]:
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
     return logs
+
+
+def _two_processes(script: Path, args: list[str]) -> list[str]:
+    """Run ``script args`` as 2 processes × 4 CPU devices on localhost; their logs."""
+    port = _free_port()
+    return _wait([_spawn(script, args, i, port) for i in range(2)])
 
 
 def test_two_processes_match_one_and_checkpoint_restores(train, tmp_path):
@@ -119,18 +119,19 @@ def test_two_processes_match_one_and_checkpoint_restores(train, tmp_path):
 
 
 def test_finetune_two_processes_match_one(tmp_path):
-    # A 2-layer random checkpoint (GDN + attention), 2 steps of DP × TP.
+    # A 2-layer random checkpoint (GDN + attention; the same from the same seed), 2 steps of
+    # DP × TP; the one-process run with 8 devices runs alongside.
     args = [
         "--random-layers=2", "--seq-len=16", "--batch-size=8", "--steps=2", "--log-every=1",
         "--warmup=1", "--lr=1e-3", "--no-progress", "--mesh=data=4,tensor=2",
     ]  # fmt: skip
-    two = tmp_path / "two"
-    logs = _two_processes(FINETUNE, [*args, f"--out={two}"])
+    two, one = tmp_path / "two", tmp_path / "one"
+    port = _free_port()
+    procs = [_spawn(FINETUNE, [*args, f"--out={two}"], i, port) for i in range(2)]
+    procs.append(_spawn(FINETUNE, [*args, f"--out={one}"]))
+    logs = _wait(procs)
     assert "process 0 of 2" in logs[0] and "done:" in logs[0] and "done:" not in logs[1]
     assert (two / "hf" / "model.safetensors").is_file() and any((two / "checkpoints").iterdir())
-    # One process with 8 devices from the checkpoint the 2 processes started from.
-    start = f"--model={two / 'random-checkpoint'}"
-    one = _main(FINETUNE, "finetune_example_mh")([*args, start, f"--out={tmp_path / 'one'}"])
-    want = [h["loss"] for h in one["history"]]
+    want = _losses(one)
     assert len(want) == 2 and want[0] != want[1]
     np.testing.assert_allclose(_losses(two), want, rtol=1e-5)
