@@ -11,7 +11,19 @@ bar), and writes ``<out>/finetune.png`` (loss curve), ``<out>/metrics.jsonl``, o
 under ``<out>/checkpoints`` and the fine-tuned model in HF format under ``<out>/hf`` (with the
 tokenizer files). ``--fp8`` runs the projections in FP8 (gdn_jax.fp8), ``--qat`` adds FP8 fake
 quantisation to every GDN core (gdn_jax.qat), ``--offload`` moves the GDN cores' residuals to
-host memory (gdn_jax.remat).
+host memory (gdn_jax.remat). ``--mesh data=2,tensor=2`` shards the run (DP, FSDP, TP, as in
+examples/train.py).
+
+Multi-process (JAX's multi-controller runtime), with the flags and environment variables of
+examples/train.py; ``--out`` must be on a filesystem all processes share:
+
+    python examples/finetune_hf.py --coordinator HOST:PORT --num-processes N --process-id I
+    JAX_COORDINATOR_ADDRESS=HOST:PORT JAX_NUM_PROCESSES=N JAX_PROCESS_ID=I python \
+        examples/finetune_hf.py
+    srun python examples/finetune_hf.py --distributed --mesh ...
+
+Every process feeds its own rows of each batch, the Orbax checkpoint is written by all of them,
+and process 0 alone writes the random checkpoint, the logs, metrics, plot and HF output.
 """
 
 from __future__ import annotations
@@ -26,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,7 +47,7 @@ import hf_common  # noqa: E402  (examples/ is a folder of scripts, not a package
 import train as train_example  # noqa: E402
 
 from gdn_jax import fp8 as fp8_lib  # noqa: E402
-from gdn_jax import qat, remat  # noqa: E402
+from gdn_jax import qat, remat, sharding  # noqa: E402
 from gdn_jax.convert import load_hf_model, save_hf_model  # noqa: E402
 from gdn_jax.models import HybridLM  # noqa: E402
 from gdn_jax.nn import apply_qat_policy  # noqa: E402
@@ -66,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--qat", action="store_true", help="FP8 fake quantisation in the GDN cores")
     p.add_argument("--offload", action="store_true", help="GDN core residuals to host memory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train_example.add_runtime_args(p)
     return p.parse_args(argv)
 
 
@@ -74,7 +87,7 @@ def _windows(ids: np.ndarray, seed: int, batch_size: int, seq_len: int) -> dict:
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(ids) - seq_len - 1, batch_size)
     w = np.stack([ids[s : s + seq_len + 1] for s in starts])
-    return dict(inputs=jnp.asarray(w[:, :-1]), targets=jnp.asarray(w[:, 1:]))
+    return dict(inputs=w[:, :-1], targets=w[:, 1:])
 
 
 def _plain_paths(state: nnx.State) -> dict:
@@ -87,20 +100,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.fp8 == "te":
         fp8_lib.import_te()  # before JAX initialises the GPU (see gdn_jax.fp8.import_te)
+    multi = train_example.start_runtime(args)  # before any device is used
+    lead = train_example.is_lead()
+    log = train_example.lead_print
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model) if args.model else None
     if model_dir is None:
-        model_dir = hf_common.random_checkpoint(
-            out / "random-checkpoint", seed=args.seed, num_layers=args.random_layers
-        )
-        print(f"no --model: wrote a random checkpoint to {model_dir}")
+        model_dir = out / "random-checkpoint"
+        if lead:
+            hf_common.random_checkpoint(model_dir, seed=args.seed, num_layers=args.random_layers)
+            log(f"no --model: wrote a random checkpoint to {model_dir}")
+        if multi:
+            multihost_utils.sync_global_devices("random checkpoint written")
+    mesh = rules = None
+    if args.mesh:
+        mesh = sharding.make_mesh(args.mesh)
+        rules = sharding.logical_axis_rules(mesh)
     gpu = jax.default_backend() == "gpu"
     dtype = {"float32": None, "bfloat16": jnp.bfloat16, None: jnp.bfloat16 if gpu else None}[
         args.dtype
     ]
     impl = ("pallas", "xla") if gpu else "xla"
-    model = load_hf_model(model_dir, dtype=dtype, implementation=impl)
+    model = load_hf_model(model_dir, dtype=dtype, mesh=mesh, implementation=impl)
     config = model.config
     if args.fp8:
         fp8_lib.convert_projections(model, args.fp8, recipe=args.fp8_recipe)
@@ -112,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.offload:
         spec = remat.spec_from_flags("save", "core")
         model.remat_policies = tuple(remat.layer_policies(spec, config.num_layers))
+    if mesh is not None:
+        sharding.shard_model(model, mesh, rules)  # the FP8 / QAT variables too
 
     tok = hf_common.Tokenizer(model_dir, config.vocab_size)
     text_file = Path(args.text) if args.text else Path(__file__)
@@ -135,18 +159,21 @@ def main(argv: list[str] | None = None) -> dict:
         return optax.apply_updates(params, updates), opt_state, dict(loss=loss, accuracy=acc), meta
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(
+    log(
         f"model: {model_dir} ({n_params / 1e6:.1f}M params, {config.num_layers} layers) | "
         f"tokenizer: {tok.name}, {len(ids)} tokens of {text_file.name} | fp8: {args.fp8} | "
         f"qat: {args.qat} | offload: {args.offload} | backend: {jax.default_backend()}"
+        + (f" | process {jax.process_index()} of {jax.process_count()}" if multi else "")
     )
     history, metrics_file = [], out / "metrics.jsonl"
-    metrics_file.unlink(missing_ok=True)
+    if lead:
+        metrics_file.unlink(missing_ok=True)
     tokens_per_step = args.batch_size * args.seq_len
     t0, last = time.perf_counter(), 0
-    bar = tqdm(range(args.steps), disable=args.no_progress)
+    bar = tqdm(range(args.steps), disable=args.no_progress or not lead)
     for step in bar:
         batch = _windows(ids, args.seed * 1_000_003 + step, args.batch_size, args.seq_len)
+        batch = train_example.place_batch(batch, mesh, rules)
         params, opt_state, metrics, meta = train_step(params, opt_state, batch, meta)
         done = step + 1
         if done % args.log_every == 0 or done == args.steps:
@@ -156,13 +183,18 @@ def main(argv: list[str] | None = None) -> dict:
             t0, last = now, done
             bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
             history.append(m)
-            with metrics_file.open("a") as f:
-                f.write(json.dumps(m) + "\n")
+            if lead:
+                with metrics_file.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
     bar.close()
 
-    manager = ocp.CheckpointManager(out / "checkpoints", options=ocp.CheckpointManagerOptions())
-    manager.save(args.steps, args=ocp.args.StandardSave(dict(params=params, opt=opt_state)))
+    manager = train_example.open_checkpoints(out, resume=False)
+    train_example.save_checkpoint(manager, args.steps, dict(params=params, opt=opt_state))
     manager.wait_until_finished()
+    if multi:  # every process holds a copy of the trained values (for the HF output)
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if not lead:
+        return dict(history=history, hf_dir=out / "hf", params=params)
     train_example._plot(history, out / "finetune.png", f"fine-tuning {model_dir.name}")
 
     # Back to HF format: the trained values in a plain (non-FP8) model of the same config.

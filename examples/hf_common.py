@@ -22,7 +22,8 @@ def random_checkpoint(path: Path, *, seed: int = 0, num_layers: int = 4) -> Path
     config = get_config(
         "tiny", num_layers=num_layers, full_attention_interval=interval, **RANDOM_CONFIG
     )
-    model = HybridLM(config, rngs=nnx.Rngs(seed))
+    # One compiled initialisation instead of an op-by-op one (the same values).
+    model = nnx.jit(lambda: HybridLM(config, rngs=nnx.Rngs(seed)))()
     save_hf_model(model, path)
     return path
 

@@ -101,11 +101,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stop-at", type=int, default=None, help="stop (and checkpoint) early, as if interrupted"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_runtime_args(p)
+    p.add_argument("--fp8", choices=["te", "native"], default=None, help="FP8 projections")
+    p.add_argument("--fp8-recipe", choices=["current", "delayed"], default="current", help="te")
+    p.add_argument(
+        "--remat",
+        choices=["none", "save", "remat"],
+        default="none",
+        help="checkpoint every layer: save the named tensors, or recompute them too",
+    )
+    p.add_argument(
+        "--offload",
+        default=None,
+        help="comma list of checkpoint names or groups (core, layer, all) to move to host memory",
+    )
+    p.add_argument("--offload-threshold", type=int, default=0, help="only tensors >= N elements")
+    p.add_argument("--offload-fraction", type=float, default=1.0, help="share of layers (0-1)")
+    p.add_argument(
+        "--offload-overlap",
+        action="store_true",
+        help="keep XLA's GPU latency-hiding scheduler with --offload (faster; device memory may "
+        "rise: gdn_jax.remat.compiler_options)",
+    )
+    return p.parse_args(argv)
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """The device flags shared by the training examples: the mesh, CPU devices, and the
+    multi-process settings (flags, or JAX's environment variables)."""
     p.add_argument(
         "--mesh",
         default=None,
         help='shard over a device mesh, e.g. "data=2,fsdp=2,tensor=2" (DP, FSDP, TP over heads; '
-        '"context=2": the sequence, CP)',
+        '"context=2": the sequence, CP); multi-process default: "data=-1"',
     )
     p.add_argument(
         "--cpu-devices",
@@ -135,28 +163,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="multi-process with the settings JAX detects (SLURM, Open MPI, Kubernetes)",
     )
-    p.add_argument("--fp8", choices=["te", "native"], default=None, help="FP8 projections")
-    p.add_argument("--fp8-recipe", choices=["current", "delayed"], default="current", help="te")
-    p.add_argument(
-        "--remat",
-        choices=["none", "save", "remat"],
-        default="none",
-        help="checkpoint every layer: save the named tensors, or recompute them too",
-    )
-    p.add_argument(
-        "--offload",
-        default=None,
-        help="comma list of checkpoint names or groups (core, layer, all) to move to host memory",
-    )
-    p.add_argument("--offload-threshold", type=int, default=0, help="only tensors >= N elements")
-    p.add_argument("--offload-fraction", type=float, default=1.0, help="share of layers (0-1)")
-    p.add_argument(
-        "--offload-overlap",
-        action="store_true",
-        help="keep XLA's GPU latency-hiding scheduler with --offload (faster; device memory may "
-        "rise: gdn_jax.remat.compiler_options)",
-    )
-    return p.parse_args(argv)
 
 
 def _env_int(name: str) -> int | None:
@@ -180,6 +186,30 @@ def init_distributed(args: argparse.Namespace) -> bool:
     return True
 
 
+def start_runtime(args: argparse.Namespace) -> bool:
+    """Set up the devices from :func:`add_runtime_args`' flags before JAX uses one: split the
+    CPU, join the other processes, and with several processes and no ``--mesh`` take
+    ``data=-1`` (the global batch over every process's devices). Returns whether it runs
+    multi-process."""
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    multi = init_distributed(args)
+    if multi and not args.mesh:
+        args.mesh = "data=-1"
+    return multi
+
+
+def is_lead() -> bool:
+    """Whether this process writes the logs, progress bar, metrics file and plot (process 0)."""
+    return jax.process_index() == 0
+
+
+def lead_print(*args, **kwargs) -> None:
+    """``print`` on process 0 only."""
+    if is_lead():
+        print(*args, **kwargs)
+
+
 def _local_rows(sharding, shape) -> slice:
     """The rows of a [B, ...] global array that this process's devices hold (one block)."""
     spans = sorted(
@@ -194,6 +224,50 @@ def _local_rows(sharding, shape) -> slice:
             raise ValueError(f"this process's batch rows {spans} are not one block of rows")
         end = max(end, b)
     return slice(spans[0][0], end)
+
+
+def place_batch(batch: dict, mesh, rules) -> dict:
+    """A batch of ``[B, T]`` arrays (the same global batch on every process) laid out on the
+    mesh by the rules (B over the batch axes, T over ``context``): each process hands over the
+    rows its devices hold and ``jax.make_array_from_process_local_data`` assembles the global
+    arrays. Without a mesh the batch is returned as it is."""
+    if mesh is None:
+        return batch
+
+    def place(x):
+        sh = sharding.batch_sharding(mesh, rules, x.ndim)
+        rows = _local_rows(sh, x.shape)
+        return jax.make_array_from_process_local_data(sh, np.asarray(x[rows]), x.shape)
+
+    return jax.tree.map(place, batch)
+
+
+def open_checkpoints(out: Path, *, resume: bool) -> ocp.CheckpointManager:
+    """The Orbax manager of ``<out>/checkpoints`` (written by all processes together); a run
+    that does not resume drops the old run's checkpoints."""
+    manager = ocp.CheckpointManager(out / "checkpoints", options=ocp.CheckpointManagerOptions())
+    if not resume:
+        for old in manager.all_steps():
+            manager.delete(old)
+    return manager
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, state) -> None:
+    """Save a pytree of (global) arrays as checkpoint ``step``."""
+    manager.save(step, args=ocp.args.StandardSave(state))
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, step: int, like, mesh):
+    """Checkpoint ``step`` restored into the layout of ``like`` (whatever mesh and process
+    count wrote it); on a mesh, leaves of ``like`` kept on one device (an optimizer's step
+    count) are restored replicated."""
+
+    def layout(x):
+        single = mesh is not None and not isinstance(x.sharding, NamedSharding)
+        sh = NamedSharding(mesh, P()) if single else x.sharding
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+    return manager.restore(step, args=ocp.args.StandardRestore(jax.tree.map(layout, like)))
 
 
 def _implementation(choice: str | None):
@@ -286,12 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.fp8 == "te":
         fp8_lib.import_te()  # before JAX initialises the GPU (see gdn_jax.fp8.import_te)
-    if args.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before any device is used
-    multi = init_distributed(args)
-    lead = jax.process_index() == 0  # logs, progress bar, metrics file and plot
-    if multi and not args.mesh:
-        args.mesh = "data=-1"  # the global batch over every process's devices
+    multi = start_runtime(args)  # before any device is used
+    lead = is_lead()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     implementation = _implementation(args.implementation)
@@ -342,16 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     def feed(make, step):
-        batch = make(jnp.int32(step))
-        if mesh is None:
-            return batch
-        shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, rules, x.ndim), batch)
-
-        def place(x, sh):
-            rows = _local_rows(sh, x.shape)
-            return jax.make_array_from_process_local_data(sh, np.asarray(x[rows]), x.shape)
-
-        return jax.tree.map(place, batch, shardings)
+        return place_batch(make(jnp.int32(step)), mesh, rules)
 
     def forward(params, batch, meta):  # (loss, accuracy); the head never holds all logits
         model = nnx.merge(graphdef, params, meta)
@@ -377,31 +438,17 @@ def main(argv: list[str] | None = None) -> dict:
         ms = [eval_step(params, feed(make_eval, i), meta) for i in range(args.eval_batches)]
         return {k: float(jnp.mean(jnp.stack([m[k] for m in ms]))) for k in ms[0]}
 
-    manager = ocp.CheckpointManager(out / "checkpoints", options=ocp.CheckpointManagerOptions())
+    manager = open_checkpoints(out, resume=args.resume)
     start = 0
     if args.resume and manager.latest_step() is not None:
         start = manager.latest_step()
-
-        # Restored into this run's layout (whatever mesh and process count wrote the checkpoint);
-        # on a mesh, leaves kept on one device (the optimizer's step count) are replicated.
-        def layout(x):
-            single = mesh is not None and not isinstance(x.sharding, NamedSharding)
-            sh = NamedSharding(mesh, P()) if single else x.sharding
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-
-        target = jax.tree.map(layout, dict(params=params, opt=opt_state))
-        restored = manager.restore(start, args=ocp.args.StandardRestore(target))
+        restored = restore_checkpoint(manager, start, dict(params=params, opt=opt_state), mesh)
         params, opt_state = restored["params"], restored["opt"]
-    elif not args.resume:
-        # A fresh run in the same folder replaces the old run's checkpoints.
-        for old in manager.all_steps():
-            manager.delete(old)
 
     def save(step):
-        manager.save(step, args=ocp.args.StandardSave(dict(params=params, opt=opt_state)))
+        save_checkpoint(manager, step, dict(params=params, opt=opt_state))
 
-    log = print if lead else (lambda *a, **k: None)
-    log(
+    lead_print(
         f"task: {task_name} | model: {args.preset} {config.num_layers} layers "
         f"{config.layer_types.count('attention')} attention, {n_params / 1e6:.2f}M params | "
         f"backend: {jax.default_backend()}, GDN implementation: {implementation}"
@@ -457,7 +504,7 @@ def main(argv: list[str] | None = None) -> dict:
         n_attn = config.layer_types.count("attention")
         model_name = f"{config.num_layers - n_attn} GDN + {n_attn} attention layers"
         _plot(history, out / "train.png", f"{task_name}, {model_name}")
-    log(
+    lead_print(
         f"done: {stop} steps ({stop - start} in this run) in {wall:.1f} s | "
         f"eval loss {final['loss']:.4f}, eval accuracy {final['accuracy']:.4f} | "
         f"plot: {out / 'train.png'}"

@@ -273,6 +273,36 @@ def check_sequence_unsplit(op_name: str, name: str, x, *, decode: bool = False) 
         _sequence_split_error(op_name, name, x, ax, decode=decode)
 
 
+def check_sequence_layout(where: str, name: str, x, *, context: bool) -> None:
+    """Check the sequence axis (dim 1) of a layer's or model's input ``x [B, T, ...]`` on
+    Explicit mesh axes: T split without context parallelism is a ValueError (as in
+    :func:`check_sequence_unsplit`); T split with it (``ShardingConfig.context`` set) is a
+    NotImplementedError: the layers' short convs and softmax attention cannot split T on
+    Explicit axes, model context parallelism runs on Auto axes.
+
+    Args:
+      where: the layer or model, for the message.
+      name: the argument's name.
+      x: [B, T, ...].
+      context: whether the layer or model was built for context parallelism.
+    """
+    if explicit_mesh(x) is None:
+        return
+    ax = explicit_axes_of(x)[1]
+    if not ax:
+        return
+    if not context:
+        _sequence_split_error(where, name, x, ax, decode=False)
+    what = f"mesh axis {ax[0]!r}" if len(ax) == 1 else f"mesh axes {ax}"
+    raise NotImplementedError(
+        f"{where}: context parallelism on Explicit mesh axes is not supported: the sequence "
+        f"axis T (dim 1) of {name} {tuple(x.shape)} is split over Explicit {what}. For model "
+        "context parallelism build the mesh with Auto axes: jax.make_mesh(shape, names, "
+        "axis_types=(jax.sharding.AxisType.Auto,) * len(names)) or "
+        "gdn_jax.sharding.make_mesh(spec) (Auto by default)"
+    )
+
+
 def _same_mesh(a, b) -> bool:
     am = a.abstract_mesh if isinstance(a, Mesh) else a
     bm = b.abstract_mesh if isinstance(b, Mesh) else b
@@ -396,6 +426,15 @@ def explicit_axes_of(x) -> tuple[tuple[str, ...], ...]:
     return tuple(_as_tuple(e) if e is not P.UNCONSTRAINED else () for e in spec[: x.ndim])
 
 
+def projection_out_spec(lhs, rhs) -> P:
+    """The layout of a projection ``lhs [..., in] @ rhs [in, out]`` on Explicit mesh axes:
+    lhs's leading axes, then the mesh axes of rhs's ``out`` dimension that lhs does not use."""
+    lax_ = explicit_axes_of(lhs)
+    used = {a for ax in lax_ for a in ax}
+    out_ax = tuple(a for a in explicit_axes_of(rhs)[1] if a not in used)
+    return P(*map(_entry, lax_[:-1]), _entry(out_ax))
+
+
 def projection_dot_general(dot_general: Callable) -> Callable:
     """``dot_general`` for a projection ``x [..., in] @ W [in, out]`` that also runs on Explicit
     mesh axes (plain jit with sharded arrays, JAX's default mesh type).
@@ -417,11 +456,10 @@ def projection_dot_general(dot_general: Callable) -> Callable:
         plain = tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
         if mesh is not None and out_sharding is None and plain and rhs.ndim == 2:
             lax_ = explicit_axes_of(lhs)
-            used = {a for ax in lax_ for a in ax}
-            out_ax = tuple(a for a in explicit_axes_of(rhs)[1] if a not in used)
-            want = NamedSharding(mesh, P(_entry(lax_[-1]), _entry(out_ax)))
+            out = projection_out_spec(lhs, rhs)
+            want = NamedSharding(mesh, P(_entry(lax_[-1]), out[-1]))
             rhs = jax.sharding.reshard(rhs, want)
-            out_sharding = NamedSharding(mesh, P(*map(_entry, lax_[:-1]), _entry(out_ax)))
+            out_sharding = NamedSharding(mesh, out)
         return dot_general(
             lhs, rhs, dimension_numbers, precision=precision,
             preferred_element_type=preferred_element_type, out_sharding=out_sharding,

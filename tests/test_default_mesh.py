@@ -11,6 +11,7 @@ compiles one program per case: the CPU is shared.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -353,3 +354,55 @@ def test_model_tokens_replicated_under_set_mesh(model_setup):
     with jax.set_mesh(mesh):
         logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
     assert rel_rms(logits, want["logits"]) < TOL
+
+
+def test_fp8_native_projections_on_explicit_axes():
+    """``fp8="native"`` projections on DP × FSDP × TP Explicit axes: loss and gradients equal one
+    device's (the per-tensor scales are global maxima, so the quantisation is the same)."""
+    config = dataclasses.replace(CONFIG, num_layers=1, full_attention_interval=0)  # one GDN layer
+    model = HybridLM(config, implementation="xla", fp8="native", rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, CONFIG.vocab_size)
+
+    @jax.jit(compiler_options=FAST)
+    def f(params, tokens):
+        def loss_fn(params):
+            m = nnx.merge(graphdef, params)
+            return m.loss(m.hidden(tokens[:, :-1]), tokens[:, 1:])[0]
+
+        return jax.value_and_grad(loss_fn)(params)
+
+    want = f(params, tokens)
+    mesh = _mesh("fsdp_tp", EXPLICIT)
+    rules = sh.logical_axis_rules(mesh)
+    p = jax.device_put(params, sh.model_shardings(params, mesh, rules))
+    got = f(p, jax.device_put(tokens, sh.batch_sharding(mesh, rules)))
+    _close(got, want, "fp8 native")
+    for g, q in zip(jax.tree.leaves(got[1]), jax.tree.leaves(p), strict=True):
+        assert g.sharding.is_equivalent_to(q.sharding, q.ndim)
+
+
+def test_context_parallelism_on_explicit_axes_is_a_clear_error():
+    """The model and the GDN layer built for context parallelism refuse a T split over Explicit
+    axes at their entry, pointing to Auto axes; without context parallelism it is the T-split
+    ValueError."""
+    mesh = sh.make_mesh("data=2,context=2,tensor=2", axis_type=EXPLICIT)
+    cp = sh.model_core_sharding(mesh)
+    split = NamedSharding(mesh, P("data", "context"))
+    auto = r"Explicit mesh axis 'context'.*AxisType.Auto"
+    model = HybridLM(CONFIG, implementation="xla", sharding=cp, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jax.device_put(jnp.zeros((4, 16), jnp.int32), split)
+    run = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    with pytest.raises(NotImplementedError, match="HybridLM: context parallelism .*" + auto):
+        run.trace(params, tokens)
+    plain = nnx.split(HybridLM(CONFIG, implementation="xla", rngs=nnx.Rngs(0)), nnx.Param)
+    with pytest.raises(ValueError, match=r"HybridLM: the sequence axis T .* 'context'.*context="):
+        jax.jit(lambda p, t: nnx.merge(plain[0], p)(t)).trace(plain[1], tokens)
+
+    layer = GatedDeltaNet(32, num_heads=2, num_v_heads=4, head_dim=8, chunk_size=16,
+                          implementation="xla", sharding=cp, rngs=nnx.Rngs(0))  # fmt: skip
+    lg, lp = nnx.split(layer, nnx.Param)
+    x = jax.device_put(jnp.zeros((4, 16, 32)), NamedSharding(mesh, P("data", "context")))
+    with pytest.raises(NotImplementedError, match="GatedDeltaNet: context parallelism .*" + auto):
+        jax.jit(lambda p, x: nnx.merge(lg, p)(x)).trace(lp, x)

@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from gdn_jax import sharding
 from gdn_jax.fp8.guard import fp8_enabled
 
 __all__ = ["E4M3", "E5M2", "native_fp8_dot_general", "quantize"]
@@ -166,4 +167,15 @@ def native_fp8_dot_general(
         )
     dims = jax.tree.map(int, dimension_numbers)
     dims = tuple(tuple(tuple(d) for d in pair) for pair in dims)
+    if sharding.explicit_mesh(lhs, rhs) is not None:
+        # Explicit mesh axes: the quantisation and the FP8 GEMMs are laid out by XLA's
+        # partitioner; the output like a plain projection's (sharding.projection_out_spec).
+        if dims != (((lhs.ndim - 1,), (0,)), ((), ())) or rhs.ndim != 2:
+            raise NotImplementedError(
+                "native FP8 dot_general on Explicit mesh axes supports projections "
+                f"x [..., in] @ W [in, out] only; got {dims=} for {lhs.shape=}, {rhs.shape=}. "
+                "Use a mesh with Auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto,) * n))"
+            )
+        fn = lambda a, b: _native_fp8(a, b, dims, out_dtype)
+        return sharding.in_auto_axes(fn, sharding.projection_out_spec(lhs, rhs), lhs, rhs)
     return _native_fp8(lhs, rhs, dims, out_dtype)

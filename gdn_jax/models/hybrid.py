@@ -39,7 +39,13 @@ from gdn_jax.nn.layers import (
     sequence_starts,
 )
 from gdn_jax.ops._validate import prepare_cu_seqlens
-from gdn_jax.sharding import _entry, explicit_axes_of, explicit_mesh, in_auto_axes
+from gdn_jax.sharding import (
+    _entry,
+    check_sequence_layout,
+    explicit_axes_of,
+    explicit_mesh,
+    in_auto_axes,
+)
 
 if TYPE_CHECKING:
     from gdn_jax.qat import QATConfig
@@ -431,6 +437,11 @@ class HybridLM(nnx.Module):
         if len(policies) != len(self.layers):
             raise ValueError(f"{len(policies)=} must equal the number of layers {len(self.layers)}")
         tokens = _checks.token_ids("tokens", tokens, self.config.vocab_size)
+        context = any(
+            getattr(layer.mixer, "sharding", None) is not None and layer.mixer.sharding.context
+            for layer in self.layers
+        )
+        check_sequence_layout("HybridLM", "tokens", tokens, context=context)
         B, T = tokens.shape
         cu_seqlens = prepare_cu_seqlens(cu_seqlens, B, T)
         t = jnp.arange(T, dtype=jnp.int32)

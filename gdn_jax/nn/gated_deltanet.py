@@ -27,7 +27,7 @@ from gdn_jax import fp8 as fp8_lib
 from gdn_jax import ops, remat
 from gdn_jax.nn.layers import EMBED, HEADS, GatedRMSNorm, ShortConv, dense, partitioned
 from gdn_jax.ops._validate import check_array, prepare_cu_seqlens
-from gdn_jax.sharding import check_sequence_unsplit, laid_out_like
+from gdn_jax.sharding import check_sequence_layout, check_sequence_unsplit, laid_out_like
 
 if TYPE_CHECKING:
     from gdn_jax.qat import QATConfig
@@ -262,8 +262,8 @@ class GatedDeltaNet(nnx.Module):
         """
         self._check_input(x)
         cu_seqlens = prepare_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
-        if self.sharding is None or not self.sharding.context:
-            check_sequence_unsplit("GatedDeltaNet", "x", x)
+        context = self.sharding is not None and bool(self.sharding.context)
+        check_sequence_layout("GatedDeltaNet", "x", x, context=context)
         q = self.q_conv(self.q_proj(x), cu_seqlens=cu_seqlens)
         k = self.k_conv(self.k_proj(x), cu_seqlens=cu_seqlens)
         v = self.v_conv(self.v_proj(x), cu_seqlens=cu_seqlens)

@@ -86,7 +86,8 @@ def dense(
         dtype=dtype,
         param_dtype=param_dtype,
         kernel_init=partitioned(kernel_init, axes),
-        # FP8 dot_generals take no out_sharding: only the plain one is made Explicit-axis aware.
+        # The plain dot_general is made Explicit-axis aware here; the native FP8 one lays itself
+        # out (gdn_jax.fp8.native); TE dot_generals are not covered on Explicit axes.
         dot_general=_projection(jax.lax.dot_general) if fp8 is None else fp8_lib.dot_general(fp8),
         rngs=rngs,
     )
