@@ -70,12 +70,12 @@ from gdn_jax.ops._gdn_pallas import (
 from gdn_jax.reference._common import chunk_layout, l2norm
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
+from pallas_kernels._tiles import CHUNK
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
 from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
 
 __all__ = ["CHANNEL_PALLAS", "ChannelConfig", "channel_pallas", "decay_last"]
 
-CHUNK = 64
 f32 = jnp.float32
 
 

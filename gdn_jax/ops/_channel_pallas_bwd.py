@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels._tiles import LoopConfig
+from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
 from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
@@ -31,7 +31,6 @@ from pallas_kernels.channel.intra import reference_rows
 
 __all__ = ["channel_backward_pallas"]
 
-CHUNK = 64
 f32 = jnp.float32
 
 

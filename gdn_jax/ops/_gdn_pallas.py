@@ -36,7 +36,7 @@ from gdn_jax.reference._common import (
 )
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
-from pallas_kernels._tiles import LoopConfig
+from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
 from pallas_kernels.gdn.bwd_wy import bwd_wy
 from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
@@ -45,7 +45,6 @@ from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 
 __all__ = ["gated_delta_rule_pallas", "CoreConfig", "PallasConfig"]
 
-CHUNK = 64
 f32 = jnp.float32
 
 
