@@ -9,6 +9,7 @@ divides the head count splits them on head boundaries.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -98,7 +99,22 @@ def _projection(dot_general):
     # One wrapped function per dot_general, so identical layers keep identical graphdefs.
     from gdn_jax.sharding import projection_dot_general
 
-    return projection_dot_general(dot_general)
+    laid_out = projection_dot_general(dot_general)
+
+    @functools.wraps(laid_out)
+    def dg(lhs, rhs, dimension_numbers, *args, **kwargs):
+        (contract, _), (batch, _) = dimension_numbers
+        rows = [d for i, d in enumerate(lhs.shape) if i not in (*contract, *batch)]
+        if math.prod(rows) == 1:
+            # XLA's GPU pipeline turns a one-row product (a decode step at batch 1) into a
+            # multiply and a reduction, and its fusion pass then pulls the producer of ``lhs``
+            # (e.g. a gated norm and the projection before it) into every output tile of the
+            # multiply, recomputing it per tile: several times the B8 step time at B1 (decode rows
+            # of benchmarks/bench_hf.py). The barrier keeps the producer a fusion of its own.
+            lhs = jax.lax.optimization_barrier(lhs)
+        return laid_out(lhs, rhs, dimension_numbers, *args, **kwargs)
+
+    return dg
 
 
 def _like(x, ref):
