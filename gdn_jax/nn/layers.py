@@ -104,15 +104,19 @@ def _projection(dot_general):
     @functools.wraps(laid_out)
     def dg(lhs, rhs, dimension_numbers, *args, **kwargs):
         (contract, _), (batch, _) = dimension_numbers
-        rows = [d for i, d in enumerate(lhs.shape) if i not in (*contract, *batch)]
-        if math.prod(rows) == 1:
-            # XLA's GPU pipeline turns a one-row product (a decode step at batch 1) into a
-            # multiply and a reduction, and its fusion pass then pulls the producer of ``lhs``
-            # (e.g. a gated norm and the projection before it) into every output tile of the
-            # multiply, recomputing it per tile: several times the B8 step time at B1 (decode rows
-            # of benchmarks/bench_hf.py). The barrier keeps the producer a fusion of its own.
-            lhs = jax.lax.optimization_barrier(lhs)
-        return laid_out(lhs, rhs, dimension_numbers, *args, **kwargs)
+        if (
+            lhs.ndim < 2
+            or batch
+            or math.prod(lhs.shape[:-1]) != 1
+            or tuple(contract) != (lhs.ndim - 1,)
+        ):
+            return laid_out(lhs, rhs, dimension_numbers, *args, **kwargs)
+        # XLA's GPU pipeline turns a one-row product (a decode step at batch 1) into a multiply
+        # and a column reduction, several times slower than the B8 step (decode rows of
+        # benchmarks/bench_hf.py). Two rows keep it a matrix product; the barrier stops XLA from
+        # seeing through the zero row.
+        two = jax.lax.optimization_barrier(jnp.concatenate([lhs, jnp.zeros_like(lhs)], axis=0))
+        return laid_out(two, rhs, dimension_numbers, *args, **kwargs)[:1]
 
     return dg
 
