@@ -17,6 +17,11 @@ DP and FSDP scale the global batch with the devices (``--batch`` per device: wea
 CP split one ``--batch`` (strong scaling). The one-device step of the same global batch must fit
 on one device.
 
+``--axis-type`` sets the mesh axes' type: ``auto`` (default; XLA's partitioner propagates the
+parameters' and the batch's shardings) or ``explicit`` (shardings in the values' types, as with
+``jax.make_mesh``'s default; the batch is laid out with ``jax.sharding.reshard``). Model context
+parallelism needs Auto axes, so ``explicit`` runs ``dp,fsdp,tp`` by default and refuses ``cp``.
+
     python benchmarks/bench_sharding.py --preset qwen3_5_0_8b --layers 4 --devices 2 \
         --implementation pallas                                      # on 2+ GPUs
     python benchmarks/bench_sharding.py --cpu-devices 4 --preset tiny --layers 2 --seq 128 \
@@ -40,12 +45,17 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jax.sharding import AxisType  # noqa: E402
+
 from benchmarks import results  # noqa: E402
 from gdn_jax import sharding  # noqa: E402
 from gdn_jax.models import HybridLM, get_config  # noqa: E402
 
 MODES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "cp": "context"}
 WEAK = ("dp", "fsdp")  # global batch grows with the devices
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+# Modes per --axis-type when --modes is not given (model CP runs on Auto axes only).
+DEFAULT_MODES = {"auto": "dp,fsdp,tp,cp", "explicit": "dp,fsdp,tp"}
 
 
 def _model(config, implementation, dtype, mesh):
@@ -102,7 +112,10 @@ def _run(config, args, tokens, mesh):
         graphdef, params = nnx.split(model, nnx.Param)
         tok_sharding = sharding.batch_sharding(mesh, rules)
         tokens = jax.device_put(tokens, tok_sharding)
-        constrain = lambda t: jax.lax.with_sharding_constraint(t, tok_sharding)
+        if args.axis_type == "explicit":  # with_sharding_constraint takes Auto axes only
+            constrain = lambda t: jax.sharding.reshard(t, tok_sharding)
+        else:
+            constrain = lambda t: jax.lax.with_sharding_constraint(t, tok_sharding)
     opt_state = jax.jit(tx.init)(params)
     step = _step_fn(graphdef, tx, constrain)
     t, (params_1, opt_state_1, loss, grads) = _time(step, params, opt_state, tokens, args.iters)
@@ -157,10 +170,19 @@ def bench(args) -> list[dict]:
     exact = jnp.dtype(args.dtype) == jnp.float32
     f32_args = argparse.Namespace(**{**vars(args), "dtype": "float32", "implementation": "xla"})
     f32_args.iters = 0
-    rows = []
-    for mode in args.modes.split(","):
+    if args.axis_type not in AXIS_TYPES:
+        raise ValueError(f"--axis-type {args.axis_type!r}: expected one of {sorted(AXIS_TYPES)}")
+    modes = (args.modes or DEFAULT_MODES[args.axis_type]).split(",")
+    for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: {mode!r} is not one of {sorted(MODES)}")
+    if args.axis_type == "explicit" and "cp" in modes:
+        raise ValueError(
+            f"--modes {','.join(modes)} with --axis-type explicit: model context parallelism "
+            "(cp) runs on Auto mesh axes only; use --axis-type auto for cp"
+        )
+    rows = []
+    for mode in modes:
         B = args.batch * n if mode in WEAK else args.batch
         if B not in reference:
             tokens = rng.integers(0, config.vocab_size, (B, args.seq + 1), dtype=np.int32)
@@ -168,7 +190,7 @@ def bench(args) -> list[dict]:
             if not exact:  # the rounding level of --dtype: one device vs the f32 maths
                 floor[B] = _run(config, f32_args, tokens, None)[1:]
         tokens, t1, losses1, grads1 = reference[B]
-        mesh = sharding.make_mesh({MODES[mode]: n})
+        mesh = sharding.make_mesh({MODES[mode]: n}, axis_type=AXIS_TYPES[args.axis_type])
         if mode == "tp":
             sharding.check_model_divisibility(config, mesh)
         tn, losses_n, grads_n = _run(config, args, tokens, mesh)
@@ -178,6 +200,7 @@ def bench(args) -> list[dict]:
             layers=config.num_layers,
             config=" ".join(args.config) or None,
             mode=mode,
+            axis_type=args.axis_type,
             devices=n,
             global_batch=B,
             seq=args.seq,
@@ -227,7 +250,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch", type=int, default=2, help="per device for dp/fsdp, global for tp/cp")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--devices", type=int, default=None, help="default: all")
-    p.add_argument("--modes", default="dp,fsdp,tp,cp")
+    p.add_argument(
+        "--modes", default=None,
+        help="comma-separated modes; default dp,fsdp,tp,cp (auto) or dp,fsdp,tp (explicit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--axis-type", choices=sorted(AXIS_TYPES), default="auto",
+        help="mesh axis type: auto (the partitioner propagates shardings) or explicit",
+    )  # fmt: skip
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=3, help="updates whose losses are compared")
     p.add_argument("--implementation", default=None, help="GDN core (default: per platform)")

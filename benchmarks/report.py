@@ -210,7 +210,8 @@ def sharding_section(doc: dict) -> list[str]:
         )  # fmt: skip
         tok = r.get("tokens_per_s_per_device")
         body.append([
-            name, "—" if r["layers"] is None else str(r["layers"]), str(r["seq"]), r["mode"],
+            name, "—" if r["layers"] is None else str(r["layers"]), str(r["seq"]),
+            r["mode"] + (" (Explicit axes)" if r.get("axis_type") == "explicit" else ""),
             str(r["devices"]), str(r["global_batch"]), _sci(r.get("loss_rel_diff")),
             _sci(r.get("grad_rel_rms")), f32, step, "—" if tok is None else f"{tok:,.0f}",
             _ratio(r.get("efficiency"), 1.0), _run_col(r),

@@ -56,7 +56,16 @@ KEYS = {
     "ops": ("variant", "shape", "mode", "dtype", "qat"),
     "decode": ("variant", "B", "H", "HV", "K", "V"),
     "model": ("preset", "layers", "batch", "seq", "setting", "gpu"),
-    "sharding": ("preset", "layers", "seq", "mode", "devices", "global_batch", "config"),
+    "sharding": (
+        "preset",
+        "layers",
+        "seq",
+        "mode",
+        "axis_type",
+        "devices",
+        "global_batch",
+        "config",
+    ),
     "hf": ("what", "batch", "seq"),
 }
 STAGE_KEYS = ("variant", "shape", "dtype", "kernel")  # the ops file's per-kernel times

@@ -18,6 +18,7 @@ from flax import nnx
 from flax.typing import Dtype, Initializer
 
 from gdn_jax import fp8 as fp8_lib
+from gdn_jax.sharding.model_rules import CONV_TAPS, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB
 
 __all__ = [
     "EMBED",
@@ -35,14 +36,8 @@ __all__ = [
     "sequence_starts",
 ]
 
-# Logical axis names of the parameters.
-EMBED = "embed"  # model width
-HEADS = "heads"  # head-major flattened head features (q/k/v/z, attention q) or one value per head
-KV_HEADS = "kv_heads"  # softmax-attention key/value heads (fewer than HEADS under GQA)
-MLP = "mlp"  # SwiGLU hidden width
-VOCAB = "vocab"
-NORM = "norm"  # weights of norms over a head or model dim; usually replicated
-CONV_TAPS = "conv_taps"  # the kernel_size taps of a short conv; usually replicated
+# The logical axis names of the parameters (EMBED, HEADS, ...) are defined beside the rules that
+# map them to mesh axes (gdn_jax.sharding.model_rules) and re-exported here.
 
 
 def partitioned(init: Initializer, axes: Sequence[str | None]) -> Initializer:
