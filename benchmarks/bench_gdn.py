@@ -21,9 +21,9 @@ mode, dtype, pallas_ms, xla_ms, fla_ms, floor_ms``; ``--qat`` rows add ``qat``; 
 it is rewritten after every shape, so a run cut short keeps what it measured.
 
 Long context (``benchmarks.shapes.LONG_CONTEXT``, packed ``_P`` shapes run with ``cu_seqlens``):
-every row prints the segment count the pallas path picks (``pallas_segments``);
-``--segments 1 2 4 8`` also times the pallas path at those forced counts, and ``--stages`` then
-times the kernels of the segmented loops too (dense shapes).
+every row prints the segment count the pallas path picks (``pallas_segments``); on shapes where
+that count is > 1, ``--segments 1 2 8`` also times the pallas path at those forced counts, and
+``--stages`` then times the kernels of the segmented loops too (dense shapes).
 """
 
 from __future__ import annotations
@@ -541,7 +541,8 @@ def main(argv=None):
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             row[impl] = r
             print(name, impl, json.dumps(r), flush=True)
-        for S in a.segments or ():
+        split = row.get("pallas_segments", 1) > 1  # forced counts: where the path splits
+        for S in (a.segments or ()) if split else ():
             try:
                 r = bench_jax(s, "pallas", x, fwd_only=a.fwd_only, dtype=a.dtype, segments=S)
             except Exception as e:  # noqa: BLE001
@@ -556,7 +557,7 @@ def main(argv=None):
                     row["pallas_stages_ms"] = bench_channel_stages(s, x, a.variant)
             except Exception as e:  # noqa: BLE001
                 row["pallas_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            for S in sorted({*(a.segments or ()), row.get("pallas_segments", 1)} - {1}):
+            for S in sorted({*(a.segments or ()), row["pallas_segments"]} - {1}) if split else ():
                 try:
                     row["pallas_stages_ms"].update(bench_segment_stages(s, x, S))
                 except Exception as e:  # noqa: BLE001
