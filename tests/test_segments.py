@@ -305,3 +305,44 @@ def test_segment_meta():
     np.testing.assert_array_equal(ext[:, 0], [0, -1, 2 + 1, 1, 2 + 2, -1])
     np.testing.assert_array_equal(ext[:, 1], [-1, 2 + 0, 0, 2 + 1, -1, 1])
     np.testing.assert_array_equal(first_seq, [True, False, False])
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_segment_arguments():
+    from gdn_jax.ops._gdn_pallas import PallasConfig, gated_delta_rule_pallas
+    from gdn_jax.qat import QATConfig
+    from pallas_kernels import _compat as pk
+    from pallas_kernels._tiles import LoopConfig
+    from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
+
+    with pytest.raises(ValueError, match="segments"):
+        LoopConfig(segments=0)
+    with pytest.raises(ValueError, match="segments"):
+        PallasConfig(scale=1.0, segments=0)
+    with pytest.raises(NotImplementedError, match="QAT state"):
+        PallasConfig(scale=1.0, segments=2, qat=QATConfig())
+    x = random_inputs(0, B=1, T=64, H=1, HV=1, K=64, V=64)
+    args = [x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")] + [x["g"], x["beta"]]
+    kw = dict(
+        scale=0.1, initial_state=None, output_final_state=False, use_qk_l2norm=False,
+        cu_seqlens=None, chunk_size=64,
+    )  # fmt: skip
+    with pk.use_mode("interpret"), pytest.raises(ValueError, match="segments"):
+        gated_delta_rule_pallas(*args, segments=0, **kw)
+    k = jnp.zeros((1, 192, 1, 64), jnp.bfloat16)
+    u = jnp.zeros((1, 192, 1, 64), jnp.bfloat16)
+    G = jnp.zeros((1, 1, 192), f32)
+    with pytest.raises(ValueError, match="multiple of segments"):
+        chunk_fwd(k, k, k, u, G, jnp.zeros((2, 1, 64, 64)), ChunkFwdConfig(segments=2))
+    with pytest.raises(ValueError, match="rows"):
+        chunk_fwd(k, k, k, u, G, jnp.zeros((1, 1, 64, 64)), ChunkFwdConfig(segments=3))
+    from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
+    from pallas_kernels.gdn.segment_state import segment_maps
+
+    with pytest.raises(ValueError, match="segments >= 2"):
+        segment_maps(k, k, u, G, jnp.zeros((1, 1, 64, 64)), LoopConfig(segments=1))
+    with pytest.raises(ValueError, match="rows"):
+        chunk_bwd_dh(k, k, k, u, G, jnp.zeros((1, 1, 64, 64)), LoopConfig(segments=3))
