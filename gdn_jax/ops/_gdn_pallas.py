@@ -207,7 +207,8 @@ def _core_fwd(cfg, q, k, v, G, beta, h0, meta):
 @functools.partial(jax.jit, static_argnums=0)
 def _core_bwd(cfg, res, cts):
     # five launches: recompute (A, w, u), recompute (h, v_new), reverse dh loop with dv2,
-    # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces
+    # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces. With
+    # segments the two loops run per segment (plus the reverse segment pass and the combine).
     q, k, v, G, beta, h0, meta, seg = res
     do, dht = cts
     B, T, H, K = q.shape
