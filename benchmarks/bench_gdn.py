@@ -4,7 +4,7 @@ Usage (on the GPU machine, from the checkout)::
 
     PYTHONPATH=. python3 benchmarks/bench_gdn.py [--shapes NAME ...] [--impls pallas xla fla]
         [--json PATH|auto|none] [--stages] [--variant gdn|kda|gdn2] [--fwd-only]
-        [--qat [off column_row matrix_tile]]
+        [--qat [off column_row matrix_tile]] [--segments S ...]
 
 Timing: jitted JAX functions are dispatched ``iters`` times back to back after a warm-up and the
 device is synchronised once; the per-call time of each such batch is recorded and the median of
@@ -19,6 +19,11 @@ Results: the run updates the ``ops`` file of :mod:`benchmarks.results` (rows ``v
 mode, dtype, pallas_ms, xla_ms, fla_ms, floor_ms``; ``--qat`` rows add ``qat``; ``--stages`` adds
 ``stages``, per-kernel times), by default ``benchmarks/results/ops_<device>.json`` on a GPU;
 it is rewritten after every shape, so a run cut short keeps what it measured.
+
+Long context (``benchmarks.shapes.LONG_CONTEXT``, packed ``_P`` shapes run with ``cu_seqlens``):
+every row prints the segment count the pallas path picks (``pallas_segments``); on shapes where
+that count is > 1, ``--segments 1 2 8`` also times the pallas path at those forced counts, and
+``--stages`` then times the kernels of the segmented loops too (dense shapes).
 """
 
 from __future__ import annotations
@@ -116,9 +121,18 @@ def time_jax(f, args, *, iters=20, reps=7) -> float:
 
 
 def bench_jax(
-    s, impl, x, variant="gdn", fwd_only=False, qat=None, skip_fwd=False, dtype="bfloat16"
+    s,
+    impl,
+    x,
+    variant="gdn",
+    fwd_only=False,
+    qat=None,
+    skip_fwd=False,
+    dtype="bfloat16",
+    segments=None,
 ) -> dict:
-    """Times of one implementation; q, k, v and do in the io ``dtype``, gates f32."""
+    """Times of one implementation; q, k, v and do in the io ``dtype``, gates f32. ``segments``
+    (gdn, pallas): force the segment count of the chunk loops."""
     import gdn_jax
 
     bf = jnp.dtype(dtype)
@@ -127,9 +141,25 @@ def bench_jax(
     gate_args = tuple(jnp.asarray(x[n]) for n in gates)
     do = jnp.asarray(x["do"], bf)
     fn = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}[variant]
+    cu = s.cu_seqlens()
+    kw = {} if cu is None else {"cu_seqlens": jnp.asarray(cu, jnp.int32)}
+    if segments is not None:
+        from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas
+
+        if variant != "gdn" or impl != "pallas":
+            raise ValueError(f"{segments=} needs variant 'gdn' and impl 'pallas'")
+
+        def fn(*a, implementation, qat):
+            return gated_delta_rule_pallas(
+                *a, scale=s.K**-0.5, initial_state=None, output_final_state=False,
+                use_qk_l2norm=False, chunk_size=C, qat=qat, segments=segments,
+                cu_seqlens=kw.get("cu_seqlens"),
+            )  # fmt: skip
+
+        kw = {}
 
     def op(*a):
-        return fn(*a, implementation=impl, qat=qat)[0]
+        return fn(*a, implementation=impl, qat=qat, **kw)[0]
 
     fwd = jax.jit(op)
 
@@ -208,6 +238,8 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
                 r[f"{impl}_error"] = m["error"]
         if "fwd_floor_ms" in row:
             r["floor_ms"] = row[f"{mode}_floor_ms"]
+        if "pallas_segments" in row:
+            r["pallas_segments"] = row["pallas_segments"]
         if row.get("fla", {}).get("patched_triton_gate") and mode == "fwdbwd":
             r["fla_note"] = "gated backward forced on for timing (TRITON_ABOVE_3_7_1)"
         out.append(r)
@@ -256,6 +288,66 @@ def bench_stages(s, x) -> dict:
         "gdn_chunk_bwd_dh": time_jax(dh_fn, (q, k, w, do, G, dht)),
         "gdn_bwd_dqkw": time_jax(dqkw, (q, k, h, dh, vn, do, dv2, G)),
         "gdn_bwd_wy": time_jax(wy, (k, v, A, G, beta, dw, dv2)),
+    }
+
+
+def segments_chosen(s) -> int:
+    """The segment count the pallas path picks for a shape on this device."""
+    from gdn_jax.ops._gdn_pallas import PallasConfig, _segments_for
+
+    cu = s.cu_seqlens()
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    return _segments_for(PallasConfig(scale=1.0), s.B, s.T, s.HV, s.V, cu)
+
+
+def bench_segment_stages(s, x, S: int) -> dict:
+    """Per-kernel times of the segmented chunk loops with S segments (dense, T % (64 S) == 0):
+    the segment pass (forward: S − 1 segments; training: all S), the combines, the segmented
+    forward loop, the state recomputation, the reverse segment pass and the reverse loop."""
+    from gdn_jax.ops._segments import segment_end_cotangents, segment_starts
+    from pallas_kernels._tiles import LoopConfig
+    from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
+    from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
+    from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
+    from pallas_kernels.gdn.segment_state import segment_maps
+
+    bf = jnp.bfloat16
+    q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
+    B, T, HV, K, V = s.B, s.T, s.HV, s.K, s.V
+    if s.lengths is not None or T % (C * S):
+        raise ValueError(f"{s.name}: segment stages need a dense shape with T % (64·{S}) == 0")
+    G = jnp.cumsum(jnp.asarray(x["g"]).reshape(B, T // C, C, HV), 2).reshape(B, T, HV)
+    G = G.transpose(0, 2, 1)
+    beta = jnp.asarray(x["beta"]).transpose(0, 2, 1)
+    h0 = jnp.zeros((B, HV, K, V), jnp.float32)
+    w, u = jax.jit(lambda k, v, G, b: intra_chunk(k, v, G, b, IntraConfig()))(k, v, G, beta)
+    lcfg = LoopConfig(s.K**-0.5, segments=S)
+    maps_f = jax.jit(lambda *a: segment_maps(*a, lcfg))
+    maps_t = jax.jit(lambda *a: segment_maps(*a, lcfg, all_segments=True))
+    ends = maps_t(k, w, u, G, h0).reshape(B, S, HV, K, V + K)
+    comb = jax.jit(lambda e, h0: segment_starts(e[:, : S - 1], h0))
+    starts, _ = comb(ends, h0)
+    h0s = starts.reshape(B * S, HV, K, V)
+    cfg = ChunkFwdConfig(scale=s.K**-0.5, segments=S)
+    cfg_h = ChunkFwdConfig(scale=s.K**-0.5, segments=S, store_h=True)
+    fwd = jax.jit(lambda q, k, w, u, G, h0: chunk_fwd(q, k, w, u, G, h0, cfg))
+    hrec = jax.jit(lambda k, w, u, G, h0: chunk_fwd(None, k, w, u, G, h0, cfg_h))
+    do = jnp.asarray(x["do"], bf)
+    dz = jnp.zeros((B * S, HV, K, V), jnp.float32)
+    dpass = jax.jit(lambda *a: chunk_bwd_dh(*a, lcfg, state_only=True))
+    d = dpass(q, k, w, do, G, dz).reshape(B, S, HV, K, V)
+    maps = ends[..., V:]
+    bcomb = jax.jit(lambda m, d, dht: segment_end_cotangents(m, d, dht))
+    dh_fn = jax.jit(lambda *a: chunk_bwd_dh(*a, lcfg))
+    return {
+        f"S{S} gdn_segment_map(fwd)": time_jax(maps_f, (k, w, u, G, h0)),
+        f"S{S} gdn_segment_map(all)": time_jax(maps_t, (k, w, u, G, h0)),
+        f"S{S} combine": time_jax(comb, (ends, h0)),
+        f"S{S} gdn_chunk_fwd": time_jax(fwd, (q, k, w, u, G, h0s)),
+        f"S{S} gdn_chunk_h": time_jax(hrec, (k, w, u, G, h0s)),
+        f"S{S} gdn_segment_dh": time_jax(dpass, (q, k, w, do, G, dz)),
+        f"S{S} combine(bwd)": time_jax(bcomb, (maps, d, h0)),
+        f"S{S} gdn_chunk_bwd_dh": time_jax(dh_fn, (q, k, w, do, G, dz)),
     }
 
 
@@ -356,6 +448,8 @@ def bench_fla(s, x, variant="gdn", fwd_only=False, dtype="bfloat16") -> dict:
     patched = not fla.utils.TRITON_ABOVE_3_7_1  # the package-wide flag is never patched
     fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated bwd on Triton<3.7.1
     dev = "cuda"
+    cu = s.cu_seqlens()
+    kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.long, device=dev)}
     bf = getattr(torch, dtype)
     t = {n: torch.from_numpy(x[n]).to(dev) for n in x}
     q, k, v = (t[n].to(bf).requires_grad_() for n in ("q", "k", "v"))
@@ -368,10 +462,10 @@ def bench_fla(s, x, variant="gdn", fwd_only=False, dtype="bfloat16") -> dict:
 
     def fwd():
         with torch.no_grad():
-            return chunk_gated_delta_rule(q, k, v, *gates, scale=s.K**-0.5)[0]
+            return chunk_gated_delta_rule(q, k, v, *gates, scale=s.K**-0.5, **kw)[0]
 
     def fb():
-        o = chunk_gated_delta_rule(q, k, v, *gates, scale=s.K**-0.5)[0]
+        o = chunk_gated_delta_rule(q, k, v, *gates, scale=s.K**-0.5, **kw)[0]
         o.backward(do)
 
     grads = [q, k, v, *gates]
@@ -398,6 +492,10 @@ def main(argv=None):
     p.add_argument(
         "--qat", nargs="*", choices=QAT_CONFIGS, default=None,
         help="QAT cost (off vs on) for pallas and xla; optionally which configs",
+    )  # fmt: skip
+    p.add_argument(
+        "--segments", nargs="*", type=int, default=None,
+        help="gdn: also time the pallas path at these forced segment counts",
     )  # fmt: skip
     a = p.parse_args(argv)
 
@@ -432,6 +530,9 @@ def main(argv=None):
         s = SHAPES[name]
         x = inputs(s, variant=a.variant)
         row = {"shape": name, "variant": a.variant, "dtype": a.dtype, **roofline(s)}
+        if a.variant == "gdn":
+            row["pallas_segments"] = segments_chosen(s)
+            print(name, "pallas segments", row["pallas_segments"], flush=True)
         for impl in a.impls:
             try:
                 bench = bench_fla if impl == "fla" else functools.partial(bench_jax, impl=impl)
@@ -440,6 +541,14 @@ def main(argv=None):
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             row[impl] = r
             print(name, impl, json.dumps(r), flush=True)
+        split = row.get("pallas_segments", 1) > 1  # forced counts: where the path splits
+        for S in (a.segments or ()) if split else ():
+            try:
+                r = bench_jax(s, "pallas", x, fwd_only=a.fwd_only, dtype=a.dtype, segments=S)
+            except Exception as e:  # noqa: BLE001
+                r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            row.setdefault("pallas_by_segments", {})[str(S)] = r
+            print(name, f"pallas segments={S}", json.dumps(r), flush=True)
         if a.stages:
             try:
                 if a.variant == "gdn":
@@ -448,6 +557,11 @@ def main(argv=None):
                     row["pallas_stages_ms"] = bench_channel_stages(s, x, a.variant)
             except Exception as e:  # noqa: BLE001
                 row["pallas_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            for S in sorted({*(a.segments or ()), row["pallas_segments"]} - {1}) if split else ():
+                try:
+                    row["pallas_stages_ms"].update(bench_segment_stages(s, x, S))
+                except Exception as e:  # noqa: BLE001
+                    row["pallas_stages_ms"][f"S{S} error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(name, "stages", json.dumps(row["pallas_stages_ms"]), flush=True)
             stages += [
                 {"variant": a.variant, "shape": name, "dtype": a.dtype, "kernel": k, "ms": v}
@@ -469,8 +583,8 @@ def main(argv=None):
     if any(r.get("fla", {}).get("patched_triton_gate") for r in rows):
         print("NOTE: FLA gated backward forced on (TRITON_ABOVE_3_7_1 = True), timing only")
     hdr = (
-        f"{'shape':26s} {'mode':7s} {'pallas':>8s} {'xla':>8s} {'fla':>8s} "
-        f"{'xla/pal':>8s} {'pal/fla':>8s} {'floor':>7s}"
+        f"{'shape':34s} {'mode':7s} {'pallas':>8s} {'xla':>8s} {'fla':>8s} "
+        f"{'xla/pal':>8s} {'pal/fla':>8s} {'floor':>7s} {'seg':>3s}"
     )
     print(hdr)
     for r in rows:
@@ -478,9 +592,12 @@ def main(argv=None):
             p_, x_, f_ = ms(r, "pallas", key), ms(r, "xla", key), ms(r, "fla", key)
             floor = r["fwd_floor_ms"] if mode == "fwd" else r["fwdbwd_floor_ms"]
             print(
-                f"{r['shape']:26s} {mode:7s} {p_:8.3f} {x_:8.3f} {f_:8.3f} "
-                f"{x_ / p_:8.2f} {p_ / f_:8.2f} {floor:7.3f}"
+                f"{r['shape']:34s} {mode:7s} {p_:8.3f} {x_:8.3f} {f_:8.3f} "
+                f"{x_ / p_:8.2f} {p_ / f_:8.2f} {floor:7.3f} {r.get('pallas_segments', 1):3d}"
             )
+        for S, t in r.get("pallas_by_segments", {}).items():
+            cells = ", ".join(f"{k}={v:.3f}" for k, v in t.items() if isinstance(v, float))
+            print(f"   pallas segments={S}: {cells or t.get('error')}")
         if "pallas_stages_ms" in r:
             st = r["pallas_stages_ms"]
             print("   stages (ms): " + ", ".join(f"{k}={v:.3f}" for k, v in st.items()

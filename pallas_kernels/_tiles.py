@@ -29,6 +29,8 @@ __all__ = [
     "pair_chunk_coords",
     "LoopConfig",
     "v_block_coords",
+    "segment_coords",
+    "chunk_offset",
     "per_chunk_kernel",
     "per_v_block_kernel",
     "store_f32_tile",
@@ -102,14 +104,21 @@ class LoopConfig:
     Attributes:
       scale: the output scale (``K ** -0.5`` by default in the ops).
       block_v: V columns per CTA, 64 or 128.
+      segments: the loop runs each sequence as this many equal runs of chunks in parallel (one
+        CTA per (segment, value head, value block)), each from its own given state: the loop's
+        initial/final-state tables then have one row per (batch row, segment), see
+        :func:`segment_coords`. 1: the plain loop over all chunks.
     """
 
     scale: float = 1.0
     block_v: int = 64
+    segments: int = 1
 
     def __post_init__(self):
         if self.block_v not in (64, 128):
             raise ValueError(f"{self.block_v=} must be 64 or 128")
+        if not isinstance(self.segments, int) or self.segments < 1:
+            raise ValueError(f"{self.segments=} must be an int >= 1")
         if not isinstance(self.scale, float):
             raise TypeError(f"{self.scale=} must be a Python float")
 
@@ -123,6 +132,25 @@ def v_block_coords(block_v: int):
     """
     iv = lax.axis_index("v")
     return iv, lax.axis_index("h"), lax.axis_index("b"), pl.ds(iv * block_v, block_v)
+
+
+def segment_coords(rows: int, seg_chunks: int):
+    """Segment coordinates of a chunk loop whose grid axis ``"b"`` enumerates (batch row, segment)
+    pairs, ``rows`` segments per batch row, each of ``seg_chunks`` chunks.
+
+    Returns:
+      (b, bs, c0): batch row, the (batch row, segment) index (the row of the loop's per-segment
+      state tables) and the segment's first chunk. With ``rows == 1``: (b, b, 0), no extra ops.
+    """
+    bs = lax.axis_index("b")
+    if rows == 1:
+        return bs, bs, 0
+    return bs // rows, bs, lax.rem(bs, rows) * seg_chunks
+
+
+def chunk_offset(c0, c):
+    """Chunk ``c`` of a segment starting at chunk ``c0`` (``c0`` may be the Python int 0)."""
+    return c if isinstance(c0, int) and c0 == 0 else c0 + c
 
 
 def per_chunk_kernel(

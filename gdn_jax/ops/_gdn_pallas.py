@@ -26,6 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax import remat
+from gdn_jax.ops._segments import (  # segment_starts / segment_end_cotangents: the state combine
+    pad_chunks,
+    segment_count,
+    segment_end_cotangents,
+    segment_meta,
+    segment_starts,
+    sm_count,
+)
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import (
     ChunkLayout,
@@ -42,6 +50,7 @@ from pallas_kernels.gdn.bwd_wy import bwd_wy
 from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
 from pallas_kernels.gdn.chunk_fwd import META_COLS, ChunkFwdConfig, chunk_fwd
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
+from pallas_kernels.gdn.segment_state import segment_maps
 
 __all__ = ["gated_delta_rule_pallas", "CoreConfig", "PallasConfig"]
 
@@ -80,14 +89,22 @@ class PallasConfig(CoreConfig):
         chunk-entering state in the chunk loop (forward and the backward's recomputation, so the
         backward sees exactly the quantised values of the forward; gradients pass straight
         through, as in the xla path).
+      segments: the chunk loops cut every lane into this many segments that run in parallel
+        (:mod:`gdn_jax.ops._segments`); 1: the unsplit loops. The core's lane length must be a
+        multiple of 64 · segments.
     """
 
     qat: QATConfig | None = None
+    segments: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         if self.qat is not None and not isinstance(self.qat, QATConfig):
             raise TypeError(f"{self.qat=} must be a gdn_jax.qat.QATConfig or None")
+        if not isinstance(self.segments, int) or self.segments < 1:
+            raise ValueError(f"{self.segments=} must be an int >= 1")
+        if self.segments > 1 and self.state_quant is not None:
+            raise NotImplementedError("segments > 1 with the QAT state quant (not an affine map)")
 
     @property
     def w_quant(self) -> str | None:
@@ -104,7 +121,17 @@ class PallasConfig(CoreConfig):
     def fwd_config(self, V: int, **kw) -> ChunkFwdConfig:
         """The chunk loop's config; a 'matrix' state scale needs the whole state in one CTA."""
         block_v = V if self.state_quant == "matrix" else 64
-        return ChunkFwdConfig(scale=self.scale, block_v=block_v, state_quant=self.state_quant, **kw)
+        return ChunkFwdConfig(
+            scale=self.scale,
+            block_v=block_v,
+            state_quant=self.state_quant,
+            segments=self.segments,
+            **kw,
+        )
+
+    def loop_config(self) -> LoopConfig:
+        """The config of the reverse chunk loop and of the segment pass."""
+        return LoopConfig(self.scale, segments=self.segments)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,21 +149,67 @@ class PallasConfig(CoreConfig):
 def _forward(cfg, q, k, v, G, beta, h0, meta):
     with cfg.kernels():
         w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
+        if cfg.segments > 1:
+            o, ht, _ = _segmented_loop(cfg, q, k, w, u, G, h0, meta, all_segments=False)
+            return o, ht
         o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]), meta)
     return o, ht
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _segmented_forward(cfg, q, k, v, G, beta, h0, meta):
+    with cfg.kernels():
+        w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
+        return _segmented_loop(cfg, q, k, w, u, G, h0, meta, all_segments=True)
+
+
+def _segment_tables(cfg, starts, h0, meta):
+    """The chunk loops' initial-state table and per-chunk table for ``cfg.segments`` segments:
+    dense: the segment starts [B·S, HV, K, V] and no table; packed: ``[h0; starts]`` (N + S rows)
+    and :func:`segment_meta`'s table (with the per-segment 'starts with a sequence' flags)."""
+    B, S = starts.shape[:2]
+    if meta is None:
+        return starts.reshape((B * S,) + starts.shape[2:]), None, None
+    mx, first_seq = segment_meta(meta, S, h0.shape[0])
+    return jnp.concatenate([h0, starts[0]]), mx, first_seq
+
+
+def _segmented_loop(cfg, q, k, w, u, G, h0, meta, *, all_segments):
+    """Segment pass, combine and the chunk loop from every segment's true initial state.
+
+    Returns:
+      (o, final state (as :func:`chunk_fwd`'s without segments), (starts [B, S, HV, K, V],
+      maps [B, R, HV, K, K] with R = S with ``all_segments`` else S − 1)).
+    """
+    B, _, HV, V = u.shape
+    K = k.shape[-1]
+    S = cfg.segments
+    ends = segment_maps(k, w, u, G, h0, cfg.loop_config(), meta, all_segments=all_segments)
+    ends = ends.reshape((B, -1, HV, K, V + K))
+    starts, _ = segment_starts(ends[:, : S - 1], None if meta is not None else h0)
+    maps = ends[..., V:]
+    h0s, mx, _ = _segment_tables(cfg, starts, h0, meta)
+    o, ht = chunk_fwd(q, k, w, u, G, h0s, cfg.fwd_config(V), mx)
+    ht = ht.reshape((B, S) + ht.shape[1:])[:, -1] if meta is None else ht[: h0.shape[0]]
+    return o, ht, (starts, maps)
+
+
 def _core_fwd(cfg, q, k, v, G, beta, h0, meta):
-    o, ht = _forward(cfg, q, k, v, G, beta, h0, meta)
+    if cfg.segments > 1:
+        o, ht, seg = _segmented_forward(cfg, q, k, v, G, beta, h0, meta)
+        seg = tuple(remat.name(x, remat.GDN_CHUNK_STATES) for x in seg)
+    else:
+        (o, ht), seg = _forward(cfg, q, k, v, G, beta, h0, meta), None
     G = remat.name(G, remat.GDN_GATE_CUMSUM)
-    return (o, ht), (q, k, v, G, beta, h0, meta)
+    return (o, ht), (q, k, v, G, beta, h0, meta, seg)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _core_bwd(cfg, res, cts):
     # five launches: recompute (A, w, u), recompute (h, v_new), reverse dh loop with dv2,
-    # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces
-    q, k, v, G, beta, h0, meta = res
+    # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces. With
+    # segments the two loops run per segment (plus the reverse segment pass and the combine).
+    q, k, v, G, beta, h0, meta, seg = res
     do, dht = cts
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -147,8 +220,13 @@ def _core_bwd(cfg, res, cts):
     with cfg.kernels():
         # the same kernels and configs as the forward: w and h are the quantised values it used
         w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True, w_quant=cfg.w_quant))
-        h, vn = chunk_fwd(None, k, w, u, G, h0, cfg.fwd_config(v.shape[-1], store_h=True), meta)
-        dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do.astype(dt), G, dht, LoopConfig(scale), meta)
+        if seg is None:
+            h, vn = chunk_fwd(None, k, w, u, G, h0, cfg.fwd_config(v.shape[-1], store_h=True), meta)
+            dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do.astype(dt), G, dht, LoopConfig(scale), meta)
+        else:
+            h, vn, dh_k, dv2_k, dh0 = _segmented_bwd_loops(
+                cfg, q, k, w, u, do.astype(dt), G, h0, dht, meta, seg
+            )
         dq, dk_a, dw, dg_a, rs, hd = bwd_dqkw(
             q, k, h, dh_k, vn, do.astype(dt), dv2_k, G, scale=scale
         )
@@ -169,6 +247,35 @@ def _core_bwd(cfg, res, cts):
         seen = jnp.zeros((N + 1,), bool).at[jnp.where(meta[:, 0] >= 0, meta[:, 0], N)].set(True)
         dh0 = jnp.where(seen[:N, None, None, None], dh0, 0.0)
     return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0, None
+
+
+def _segmented_bwd_loops(cfg, q, k, w, u, do, G, h0, dht, meta, seg):
+    """The backward's two chunk loops on segments: the state recomputation from the saved segment
+    starts, the reverse loop's segment pass (start cotangents from zero end cotangents), the
+    reverse combine with the transposed maps, and the reverse loop from every segment's true end
+    cotangent. Returns (h, v_new, dh, dv2, dh0) as the unsplit loops do."""
+    starts, maps = seg
+    B, S, HV, K, V = starts.shape
+    h0s, mx, first_seq = _segment_tables(cfg, starts, h0, meta)
+    h, vn = chunk_fwd(None, k, w, u, G, h0s, cfg.fwd_config(V, store_h=True), mx)
+    lcfg = cfg.loop_config()
+    zeros = jnp.zeros((S,) + dht.shape[1:] if meta is not None else (B * S,) + dht.shape[1:], f32)
+    if meta is None:
+        d = chunk_bwd_dh(q, k, w, do, G, zeros, lcfg, None, state_only=True)
+        d = d.reshape((B, S) + d.shape[1:])
+        dE = segment_end_cotangents(maps, d, dht)
+        dht_s = dE.reshape((B * S,) + dE.shape[2:])
+    else:
+        N = dht.shape[0]
+        d = chunk_bwd_dh(q, k, w, do, G, jnp.concatenate([dht, zeros]), lcfg, mx, state_only=True)
+        # rows N + j are written only where segment j does not start with a sequence (else its
+        # entering state is irrelevant: d_j = 0, and M_j = 0)
+        d = jnp.where(first_seq[:, None, None, None], 0.0, d[N:])[None]
+        dE = segment_end_cotangents(maps, d, None)
+        dht_s = jnp.concatenate([dht, dE[0]])
+    dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do, G, dht_s, lcfg, mx)
+    dh0 = dh0.reshape((B, S) + dh0.shape[1:])[:, 0] if meta is None else dh0[: h0.shape[0]]
+    return h, vn, dh_k, dv2_k, dh0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -287,6 +394,7 @@ def gated_delta_rule_pallas(
     cu_seqlens: jax.Array | None,
     chunk_size: int,
     qat: QATConfig | None = None,
+    segments: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """GDN on the Mosaic GPU kernels; inputs already validated by :func:`gdn_jax.gated_delta_rule`.
 
@@ -300,6 +408,9 @@ def gated_delta_rule_pallas(
       cu_seqlens: [N + 1] int32 with B == 1, or None.
       chunk_size: must be 64.
       qat: optional FP8 fake quantisation of w and the chunk-entering state (fused).
+      segments: how many segments the chunk loops cut each lane into (run in parallel); None:
+        :func:`gdn_jax.ops._segments.segment_count` of the lanes and the device's SM count
+        (1 with the QAT state quant, whose loop is not affine in the state).
     Returns:
       (o [B, T, HV, V] in v.dtype, final state or None).
     Raises:
@@ -311,6 +422,11 @@ def gated_delta_rule_pallas(
     cfg = PallasConfig(scale=float(scale), mode=pk.execution_mode(), qat=qat)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if segments is None:
+        segments = _segments_for(cfg, B, T, HV, V, cu_seqlens)
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"{segments=} must be None or an int >= 1")
+    cfg = dataclasses.replace(cfg, segments=segments)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     Tp = -(-T // CHUNK) * CHUNK
@@ -327,9 +443,31 @@ def gated_delta_rule_pallas(
 
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     Gp, bp = _kernel_gates(gp, bp)
-    o, ht = _core(cfg, qp, kp, vp, Gp, bp, h0)
+    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0)
     o = from_padded_lanes(o, cu_seqlens, T)
     return o.astype(v.dtype), (ht if output_final_state else None)
+
+
+def _segments_for(cfg: PallasConfig, B: int, T: int, HV: int, V: int, cu_seqlens) -> int:
+    """The default segment count: from the lanes the kernels will run (one lane of about
+    T + 64 N rows with ``cu_seqlens``, else B lanes of T) and the device's SM count."""
+    if cfg.state_quant is not None:
+        return 1
+    lanes, rows = (B, T) if cu_seqlens is None else (1, T + CHUNK * (cu_seqlens.shape[0] - 1))
+    return segment_count(lanes, HV, rows, V // cfg.fwd_config(V).block_v, sm_count())
+
+
+def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None):
+    """:func:`_core` on lanes padded to a multiple of ``64 · cfg.segments`` rows (inert zero rows;
+    the per-chunk table gets -1 rows); o is cut back to the lanes' rows."""
+    rows = q.shape[1]
+    if cfg.segments > 1:
+        q, k, v, G, beta = pad_chunks((q, k, v, G, beta), (1, 1, 1, 2, 2), cfg.segments)
+        if meta is not None:
+            pad = q.shape[1] // CHUNK - meta.shape[0]
+            meta = jnp.concatenate([meta, jnp.full((pad, meta.shape[1]), -1, meta.dtype)])
+    o, ht = _core(cfg, q, k, v, G, beta, h0, meta)
+    return o[:, :rows], ht
 
 
 def _kernel_gates(g: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -353,8 +491,17 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(wipe_first_tokens(gp, layout), bp)
     h0 = jnp.zeros((1, HV, K, V), f32)
-    o, _ = _core(cfg, qp, kp, vp, Gp, bp, h0)
+    o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0)
     return from_one_lane(o, layout, T).astype(v.dtype)
+
+
+def packed_meta(layout: ChunkLayout) -> jax.Array:
+    """The kernels' per-chunk table of packed sequences on one lane: [chunks, META_COLS] int32,
+    column 0 the sequence whose first chunk this is, column 1 whose last chunk, else -1."""
+    nc = layout.token.shape[1]
+    meta = jnp.full((nc, META_COLS), -1, jnp.int32)
+    meta = meta.at[:, 0].set(jnp.where(layout.first[0], layout.seq[0], -1))
+    return meta.at[:, 1].set(jnp.where(layout.last[0], layout.seq[0], -1))
 
 
 def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):
@@ -371,10 +518,6 @@ def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(gp, bp)
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    nc = layout.token.shape[1]
-    meta = jnp.full((nc, META_COLS), -1, jnp.int32)
-    meta = meta.at[:, 0].set(jnp.where(layout.first[0], layout.seq[0], -1))
-    meta = meta.at[:, 1].set(jnp.where(layout.last[0], layout.seq[0], -1))
-    o, ht = _core(cfg, qp, kp, vp, Gp, bp, h0, meta)
+    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, packed_meta(layout))
     ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
     return from_one_lane(o, layout, T).astype(v.dtype), ht

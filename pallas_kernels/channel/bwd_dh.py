@@ -152,6 +152,8 @@ def channel_bwd_dh(
     if T % CHUNK or V % config.block_v:
         raise ValueError(f"{kg.shape=} {do.shape=}: T % 64 and V % block_v must be 0")
     nt = T // CHUNK
+    if config.segments != 1:
+        raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
     dt = kg.dtype
     if dt == jnp.float16 and K * config.block_v > 128 * 64:
         raise NotImplementedError(

@@ -198,6 +198,8 @@ def channel_chunk_fwd(
             "do not fit in shared memory; use block_v=64"
         )
     nt = T // CHUNK
+    if config.segments != 1:
+        raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
     if config.store_h:
         out_type = (
             jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if f16 else kg.dtype),

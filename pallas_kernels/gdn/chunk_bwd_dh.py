@@ -23,7 +23,9 @@ from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import (
     CHUNK,
     LoopConfig,
+    chunk_offset,
     per_v_block_kernel,
+    segment_coords,
     store_f32_tile,
     v_block_coords,
 )
@@ -33,12 +35,15 @@ from pallas_kernels.gdn.fake_quant import stage_columns
 f32 = jnp.float32
 
 
-def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
+def _dh_body(*refs, cfg, group: int, nt: int, packed: bool, state_only: bool):
     q_g, k_g, w_g, do_g, g_g, dht_g = refs[:6]
     m_g = refs[6] if packed else None  # [NT, META_COLS] int32 per-chunk (reset, final) ids
-    dh_g, dv2_g, dh0_g = refs[-3:]
+    dh_g, dv2_g, dh0_g = (None, None, refs[-1]) if state_only else refs[-3:]
     C, BV = CHUNK, cfg.block_v
-    iv, hv, b, cols = v_block_coords(BV)
+    iv, hv, _, cols = v_block_coords(BV)
+    # segments: this CTA runs chunks c0 + nt − 1 … c0 of batch row b; bs is its state-table row
+    b, bs, c0 = segment_coords(cfg.segments, nt)
+    at = lambda c: chunk_offset(c0, c)  # noqa: E731
     hk = hv // group
     K = k_g.shape[-1]
     dt = k_g.dtype
@@ -48,7 +53,7 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
     nbuf = 1 if scaled or packed else 2
 
     def load_dht(st_s, bar):
-        plgpu.copy_gmem_to_smem(dht_g.at[b, hv, :, cols], st_s, bar)
+        plgpu.copy_gmem_to_smem(dht_g.at[bs, hv, :, cols], st_s, bar)
         plgpu.barrier_wait(bar)
         return cp.to_wgmma(st_s[...])
 
@@ -85,7 +90,8 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
                 dh_ref = dh_src = dh_s.at[slot] if nbuf == 2 else dh_s
                 unstage = stage_columns(dH, dh_ref, scaled)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dh_src, dh_g.at[b, c, hv, :, cols])
+            if not state_only:
+                plgpu.copy_smem_to_gmem(dh_src, dh_g.at[b, at(c), hv, :, cols])
 
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
@@ -109,7 +115,8 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
             dv_ref[...] = dv2
             ndv_s[...] = (-dv2).astype(dt)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dv_ref, dv2_g.at[b, pl.ds(c * C, C), hv, cols])
+            if not state_only:
+                plgpu.copy_smem_to_gmem(dv_ref, dv2_g.at[b, pl.ds(at(c) * C, C), hv, cols])
 
             def upd(acc):
                 plgpu.wgmma(acc, qg_s.T, do_s)
@@ -129,7 +136,7 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
 
             return dH
 
-        rev = lambda i: nt - 1 - i
+        rev = lambda i: at(nt - 1 - i)
         tile = lambda n: dict(dtype=dt, cols=n)
         specs = [
             cp.block_spec((None, C, None, K), lambda i: (b, rev(i), hk, 0), **tile(K)),  # q
@@ -165,7 +172,7 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool):
     if packed:
         return
 
-    store_f32_tile(dH, dh0_g.at[b, hv, :, cols])
+    store_f32_tile(dH, dh0_g.at[bs, hv, :, cols])
 
 
 def chunk_bwd_dh(
@@ -177,21 +184,27 @@ def chunk_bwd_dh(
     dht: jax.Array,
     config: LoopConfig,
     meta: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    *,
+    state_only: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array] | jax.Array:
     """Reverse chunk loop of the backward.
 
     Args:
       q, k: [B, T, H, K]; w: [B, T, HV, K]; do: [B, T, HV, V] (all the io dtype); T % 64 == 0.
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
       dht: [B, HV, K, V] f32 cotangent of the final state ([N, HV, K, V] with ``meta``).
-      config: :class:`LoopConfig`.
+      config: :class:`LoopConfig`. With ``segments = S > 1`` (T/64 a multiple of S) dht (without
+        ``meta``) and dh0 have one row per (batch row, segment), b·S + j: the cotangent at the
+        end of segment j, and the one at its start.
       meta: packed sequences on one lane (B == 1), as for
         :func:`pallas_kernels.gdn.chunk_fwd.chunk_fwd`: [T/64, META_COLS] int32 (reset, final) ids.
+        With segments, every segment's last chunk must name a dht row in column 1.
+      state_only: compute only dh0 (no dh, no dv2 written): the start cotangents of segments.
     Returns:
       dh [B, T/64, HV, K, V] (io dtype, f32 for f16 io; gradient of the state at each chunk's end),
       dv2 [B, T, HV, V] f32 (gradient of v_new; f32: dβ is sensitive to its rounding),
       dh0 [B, HV, K, V] f32 ([N, HV, K, V] with ``meta``; rows of sequences without chunks
-      unwritten).
+      unwritten). ``state_only``: dh0 alone.
     """
     B, T, H, K = k.shape
     HV, V = do.shape[2], do.shape[3]
@@ -200,16 +213,27 @@ def chunk_bwd_dh(
     nt = T // CHUNK
     packed = meta is not None
     check_meta(meta, B, nt)
+    segs = config.segments
+    if nt % segs:
+        raise ValueError(f"{k.shape=}, segments={segs}: T / 64 must be a multiple of segments")
+    if not packed and dht.shape[0] != B * segs:
+        raise ValueError(f"{dht.shape=}: needs B·segments = {B * segs} rows")
+    dh0_type = jax.ShapeDtypeStruct(dht.shape if packed else (B * segs, HV, K, V), f32)
     out_type = (
         jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if k.dtype == jnp.float16 else k.dtype),
         jax.ShapeDtypeStruct((B, T, HV, V), f32),
-        jax.ShapeDtypeStruct(dht.shape if packed else (B, HV, K, V), f32),
+        dh0_type,
     )
+    if state_only:
+        out_type = dh0_type
 
     def body(*refs):
-        _dh_body(*refs, cfg=config, group=HV // H, nt=nt, packed=packed)
+        _dh_body(
+            *refs, cfg=config, group=HV // H, nt=nt // segs, packed=packed, state_only=state_only
+        )
 
+    name = "gdn_segment_dh" if state_only else "gdn_chunk_bwd_dh"
     fn = per_v_block_kernel(
-        body, out_type, v_blocks=V // config.block_v, HV=HV, B=B, name="gdn_chunk_bwd_dh"
+        body, out_type, v_blocks=V // config.block_v, HV=HV, B=B * segs, name=name
     )
     return fn(q, k, w, do, g_cum, dht, *(() if meta is None else (meta,)))

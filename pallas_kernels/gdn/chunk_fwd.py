@@ -27,7 +27,9 @@ from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import (
     CHUNK,
     LoopConfig,
+    chunk_offset,
     per_v_block_kernel,
+    segment_coords,
     store_f32_tile,
     v_block_coords,
 )
@@ -84,7 +86,10 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
         h_g, vn_g = refs[-2:]
     else:
         o_g, ht_g = refs[-2:]
-    iv, hv, b, cols = v_block_coords(BV)
+    iv, hv, _, cols = v_block_coords(BV)
+    # segments: this CTA runs chunks c0 … c0 + nt − 1 of batch row b; bs is its state-table row
+    b, bs, c0 = segment_coords(cfg.segments, nt)
+    at = lambda c: chunk_offset(c0, c)  # noqa: E731
     hk = hv // group
     K = k_g.shape[-1]
     dt = k_g.dtype
@@ -95,7 +100,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
     scaled = dt == jnp.float16
 
     def load_h0(h0_s, bar):
-        plgpu.copy_gmem_to_smem(h0_g.at[b, hv, :, cols], h0_s, bar)
+        plgpu.copy_gmem_to_smem(h0_g.at[bs, hv, :, cols], h0_s, bar)
         plgpu.barrier_wait(bar)
         return cp.to_wgmma(h0_s[...])
 
@@ -146,7 +151,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
             plgpu.commit_smem()
             if store_h:
                 h_src = hf_s.at[slot] if scaled else s_ref
-                plgpu.copy_smem_to_gmem(h_src, h_g.at[b, c, hv, :, cols])
+                plgpu.copy_smem_to_gmem(h_src, h_g.at[b, at(c), hv, :, cols])
             v_new = u_s[...].astype(f32) - unstage(cp.matmul(w_s, s_ref, (C, BV)))
             g_r = cp.row_vec(g_s)
             g_last = g_s[C - 1]
@@ -164,12 +169,13 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
                 o_inter = o_inter * cp.bcast_rows(jnp.exp(g_r), (C, BV))
             plgpu.commit_smem()
             if store_h:
-                plgpu.copy_smem_to_gmem(vn_ref, vn_g.at[b, pl.ds(c * C, C), hv, cols])
+                plgpu.copy_smem_to_gmem(vn_ref, vn_g.at[b, pl.ds(at(c) * C, C), hv, cols])
             else:
                 o = (o_inter + cp.matmul(p_s, vn_ref, (C, BV))) * cfg.scale
                 o_s.at[slot][...] = o.astype(o_g.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s.at[slot], o_g.at[b, pl.ds(c * C, C), hv, cols])
+                dst = o_g.at[b, pl.ds(at(c) * C, C), hv, cols]
+                plgpu.copy_smem_to_gmem(o_s.at[slot], dst)
             vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
             vd_s[...] = vd.astype(dt)
             plgpu.commit_smem()
@@ -188,16 +194,16 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
         tile = lambda cols_: dict(dtype=dt, cols=cols_)
         specs = []
         if not store_h:
-            specs.append(cp.block_spec((None, C, None, K), lambda c: (b, c, hk, 0), **tile(K)))
+            specs.append(cp.block_spec((None, C, None, K), lambda c: (b, at(c), hk, 0), **tile(K)))
         specs += [
-            cp.block_spec((None, C, None, K), lambda c: (b, c, hk, 0), **tile(K)),  # k
-            cp.block_spec((None, C, None, K), lambda c: (b, c, hv, 0), **tile(K)),  # w
-            cp.block_spec((None, C, None, BV), lambda c: (b, c, hv, iv), **tile(BV)),  # u
-            cp.block_spec((None, None, C), lambda c: (b, hv, c)),  # G [B, HV, T]
+            cp.block_spec((None, C, None, K), lambda c: (b, at(c), hk, 0), **tile(K)),  # k
+            cp.block_spec((None, C, None, K), lambda c: (b, at(c), hv, 0), **tile(K)),  # w
+            cp.block_spec((None, C, None, BV), lambda c: (b, at(c), hv, iv), **tile(BV)),  # u
+            cp.block_spec((None, None, C), lambda c: (b, hv, at(c))),  # G [B, HV, T]
         ]
         ins = (k_g, w_g, u_g, g_g) if store_h else (q_g, k_g, w_g, u_g, g_g)
         if packed:
-            specs.append(cp.block_spec((None, META_COLS), lambda c: (c, 0)))  # (reset, final) ids
+            specs.append(cp.block_spec((None, META_COLS), lambda c: (at(c), 0)))  # (reset, final)
             ins += (m_g,)
         S = plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=S0
@@ -216,7 +222,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
         bufs += (cp.smem((K, BV), f32), plgpu.Barrier())  # h0 / final state staging
     S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), *bufs)
     if not store_h and not packed:
-        store_f32_tile(S, ht_g.at[b, hv, :, cols])
+        store_f32_tile(S, ht_g.at[bs, hv, :, cols])
 
 
 def chunk_fwd(
@@ -235,14 +241,18 @@ def chunk_fwd(
       q, k: [B, T, H, K] (q unused/None with ``store_h``); T a multiple of 64.
       w: [B, T, HV, K]; u: [B, T, HV, V] (from :func:`pallas_kernels.gdn.intra.intra_chunk`).
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
-      h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``).
+      h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``). With
+        ``config.segments = S > 1`` (T/64 a multiple of S): [B·S, HV, K, V], the state entering
+        each segment (row b·S + j: segment j of batch row b); with ``meta`` the table rows that
+        column 0 names (every segment's first chunk must name one).
       config: :class:`ChunkFwdConfig`.
       meta: packed sequences on one lane (B == 1): [T/64, META_COLS] int32, column 0 the
         sequence whose first chunk this is (its state is set to h0[that]) or -1, column 1 the
         sequence whose last chunk this is (its end state is written to final[that]) or -1.
     Returns:
       Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
-      ``meta``, rows of sequences without chunks unwritten).
+      ``meta``, rows of sequences without chunks unwritten; [B·S, HV, K, V] with S segments and
+      no ``meta``: each segment's end state).
       ``store_h``: (h [B, T/64, HV, K, V] in k.dtype (f32 for f16 io), the state entering each
       chunk (after ``config.state_quant``); v_new [B, T, HV, V]).
     """
@@ -260,6 +270,13 @@ def chunk_fwd(
     nt = T // CHUNK
     packed = meta is not None
     check_meta(meta, B, nt)
+    segs = config.segments
+    if nt % segs:
+        raise ValueError(f"{k.shape=}, segments={segs}: T / 64 must be a multiple of segments")
+    if segs > 1 and config.state_quant is not None:
+        raise NotImplementedError("segments > 1 with the QAT state quant (not an affine map)")
+    if segs > 1 and not packed and h0.shape[0] != B * segs:
+        raise ValueError(f"{h0.shape=}: with segments={segs} h0 needs B·segments = {B * segs} rows")
     if packed and config.block_v == 128:
         raise NotImplementedError("packed states with block_v=128: no SMEM for the state staging")
     if config.store_h:
@@ -272,20 +289,20 @@ def chunk_fwd(
     else:
         out_type = (
             jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
-            jax.ShapeDtypeStruct(h0.shape if packed else (B, HV, K, V), f32),
+            jax.ShapeDtypeStruct(h0.shape if packed else (B * segs, HV, K, V), f32),
         )
         ins = (q, k, w, u, g_cum, h0)
     ins += (meta,) if packed else ()
 
     def body(*refs):
-        _fwd_body(*refs, cfg=config, group=HV // H, nt=nt, packed=packed)
+        _fwd_body(*refs, cfg=config, group=HV // H, nt=nt // segs, packed=packed)
 
     fn = per_v_block_kernel(
         body,
         out_type,
         v_blocks=V // config.block_v,
         HV=HV,
-        B=B,
+        B=B * segs,
         name="gdn_chunk_h" if config.store_h else "gdn_chunk_fwd",
     )
     return fn(*ins)

@@ -1,0 +1,172 @@
+"""Sequence parallelism inside one device: segment counts, segment tables, the state combine.
+
+When ``B · HV · (V / block_v)`` CTAs cannot fill the GPU, the chunk loops cut every lane of T/64
+chunks into S equal segments that run in parallel:
+
+1. segment pass: each of the first S − 1 segments gives its affine state map
+   ``S_end = M_j S_in + c_j`` (:func:`pallas_kernels.gdn.segment_state.segment_maps`);
+2. :func:`segment_starts`: the prefix combine of the maps (f32, S small) gives every segment's
+   true initial state;
+3. the chunk loop with ``segments = S``, each segment from its own initial state.
+
+The backward mirrors it for the state cotangent: the reverse loop's map over a segment is the
+transpose of the forward map, so ``dE_{j−1} = M_jᵀ dE_j + d_j`` (:func:`segment_end_cotangents`),
+with d_j the start cotangent of segment j from a zero end cotangent (the reverse loop's
+``state_only`` pass). Packed sequences on one lane keep their per-chunk table: segments do not
+care where sequences start or end (a sequence start inside a segment zeroes its map), and
+:func:`segment_meta` adds, for every segment boundary that is not a sequence boundary, a table row
+N + j that carries segment j's initial state (forward) or end cotangent (backward).
+This is the cross-device context-parallel state passing of :mod:`gdn_jax.sharding`
+(``_segment_map``, ``_state_passing_local``) with the segments inside one device and the maps
+from a dedicated pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._tiles import CHUNK
+
+__all__ = [
+    "SM_COUNT",
+    "MIN_SEGMENT_CHUNKS",
+    "MAX_SEGMENTS",
+    "segment_count",
+    "sm_count",
+    "pad_chunks",
+    "segment_meta",
+    "segment_starts",
+    "segment_end_cotangents",
+]
+
+SM_COUNT = 132  # H200 (and H100 SXM)
+MIN_SEGMENT_CHUNKS = 16  # shorter segments do not repay the segment pass and the combine
+MAX_SEGMENTS = 16  # the combine is sequential over segments
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def segment_count(B: int, HV: int, T: int, v_blocks: int, sms: int = SM_COUNT) -> int:
+    """How many segments the chunk loops split each lane into.
+
+    One CTA per (batch row, value head, value block) runs a lane's chunks in order; a GPU with
+    ``sms`` SMs holds one such CTA per SM. Below half a wave (``2 · B · HV · v_blocks ≤ sms``)
+    every lane is cut into ``sms // (B · HV · v_blocks)`` segments (about one wave), at most
+    :data:`MAX_SEGMENTS` and with at least :data:`MIN_SEGMENT_CHUNKS` chunks of 64 each.
+
+    Args:
+      B: lanes (batch rows; 1 for packed sequences on one lane).
+      HV: value heads.
+      T: tokens (rows) per lane.
+      v_blocks: value-column blocks per head (V / block_v).
+      sms: streaming multiprocessors of the device.
+    Returns:
+      The segment count, ≥ 1 (1: the unsplit loops).
+    """
+    for name, x in (("B", B), ("HV", HV), ("T", T), ("v_blocks", v_blocks), ("sms", sms)):
+        if not isinstance(x, int) or x < (0 if name == "T" else 1):
+            raise ValueError(f"{name}={x!r} must be a positive int")
+    ctas = B * HV * v_blocks
+    if 2 * ctas > sms:
+        return 1
+    nt = -(-T // CHUNK)
+    s = min(sms // ctas, nt // MIN_SEGMENT_CHUNKS, MAX_SEGMENTS)
+    return s if s >= 2 else 1
+
+
+def sm_count() -> int:
+    """SM count of the default device (:data:`SM_COUNT` where it does not say, e.g. on CPU)."""
+    try:
+        n = getattr(jax.devices()[0], "core_count", None)
+    except RuntimeError:
+        n = None
+    return int(n) if isinstance(n, int) and n > 0 else SM_COUNT
+
+
+def pad_chunks(xs, axes, segments: int) -> list[jax.Array]:
+    """Zero-pads each array along its token axis (``axes[i]`` of ``xs[i]``, a multiple of 64 rows)
+    to a multiple of ``64 · segments`` rows. Zero rows are inert in the chunk loops (zero k, q,
+    values and β; zero gate increments keep the state)."""
+    out = []
+    for x, ax in zip(xs, axes, strict=True):
+        rows = x.shape[ax]
+        n = -(-rows // (CHUNK * segments)) * CHUNK * segments
+        pad = [(0, 0)] * x.ndim
+        pad[ax] = (0, n - rows)
+        out.append(jnp.pad(x, pad) if n > rows else x)
+    return out
+
+
+def segment_meta(meta: jax.Array, segments: int, N: int) -> tuple[jax.Array, jax.Array]:
+    """The per-chunk table of packed sequences extended for segments.
+
+    Args:
+      meta: [nt, META_COLS] int32 (column 0: the sequence whose first chunk this is, column 1:
+        whose last chunk, else -1); nt a multiple of ``segments``.
+      segments: S.
+      N: sequences (rows of the initial/final-state tables).
+    Returns:
+      (meta_ext, starts_seq): meta_ext names row N + j in column 0 at segment j's first chunk and
+      in column 1 at its last chunk where the table names no sequence there (tables then have
+      N + S rows: rows N + j carry segment j's initial state / end cotangent); starts_seq [S]
+      bool: segment j starts with a sequence (its entering state is irrelevant).
+    """
+    nt = meta.shape[0]
+    L = nt // segments
+    c = jnp.arange(nt, dtype=jnp.int32)
+    j = N + c // L
+    first, last = c % L == 0, c % L == L - 1
+    col0 = jnp.where(first & (meta[:, 0] < 0), j, meta[:, 0])
+    col1 = jnp.where(last & (meta[:, 1] < 0), j, meta[:, 1])
+    meta_ext = meta.at[:, 0].set(col0).at[:, 1].set(col1)
+    return meta_ext, meta[::L, 0] >= 0
+
+
+def segment_starts(maps_ends: jax.Array, h0: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Prefix combine of segment maps: the state entering every segment.
+
+    Args:
+      maps_ends: [B, R, HV, K, V + K] f32, ``[c_j | M_j]`` of segments 0 … R − 1 (the segment
+        pass's output reshaped), R = S − 1 or S.
+      h0: [B, HV, K, V] f32 state entering segment 0, or None (zero).
+    Returns:
+      (starts [B, S, HV, K, V] f32 with S = R + 1 or R, maps [B, R, HV, K, K] f32):
+      S_in_0 = h0, S_in_{j+1} = M_j S_in_j + c_j (HIGHEST-precision f32 products), for the
+      given ``segments`` S.
+    """
+    K = maps_ends.shape[-2]
+    V = maps_ends.shape[-1] - K
+    M, c = maps_ends[..., V:], maps_ends[..., :V]
+    return _starts(M, c, h0, M.shape[1] + 1), M
+
+
+def _starts(M, c, h0, S: int) -> jax.Array:
+    E = jnp.zeros(c.shape[:1] + c.shape[2:], jnp.float32) if h0 is None else h0
+    starts = [E]
+    for j in range(S - 1):
+        E = jnp.einsum("bhij,bhjv->bhiv", M[:, j], E, precision=_HI) + c[:, j]
+        starts.append(E)
+    return jnp.stack(starts, axis=1)
+
+
+def segment_end_cotangents(maps: jax.Array, d: jax.Array, dht: jax.Array | None) -> jax.Array:
+    """Reverse combine: the cotangent of every segment's end state.
+
+    Args:
+      maps: [B, S, HV, K, K] f32, the map M_j of every segment (``segment_starts`` of an
+        ``all_segments`` segment pass; M_0 unused).
+      d: [B, S, HV, K, V] f32, d_j the cotangent of segment j's initial state from its own
+        chunks with a zero end cotangent (d_0 unused).
+      dht: [B, HV, K, V] f32 cotangent of the end of the last segment, or None (zero).
+    Returns:
+      dE [B, S, HV, K, V] f32: dE_{S−1} = dht, dE_{j−1} = M_jᵀ dE_j + d_j (the state entering
+      segment j is the one leaving segment j − 1).
+    """
+    S = d.shape[1]
+    E = jnp.zeros(d.shape[:1] + d.shape[2:], jnp.float32) if dht is None else dht
+    ends = [E]
+    for j in range(S - 1, 0, -1):
+        E = jnp.einsum("bhji,bhjv->bhiv", maps[:, j], E, precision=_HI) + d[:, j]
+        ends.append(E)
+    return jnp.stack(ends[::-1], axis=1)
