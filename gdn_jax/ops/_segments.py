@@ -26,6 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.sharding.context import combine_segment_states
 from pallas_kernels._tiles import CHUNK
 
 __all__ = [
@@ -138,16 +139,9 @@ def segment_starts(maps_ends: jax.Array, h0: jax.Array | None) -> tuple[jax.Arra
     K = maps_ends.shape[-2]
     V = maps_ends.shape[-1] - K
     M, c = maps_ends[..., V:], maps_ends[..., :V]
-    return _starts(M, c, h0, M.shape[1] + 1), M
-
-
-def _starts(M, c, h0, S: int) -> jax.Array:
-    E = jnp.zeros(c.shape[:1] + c.shape[2:], jnp.float32) if h0 is None else h0
-    starts = [E]
-    for j in range(S - 1):
-        E = jnp.einsum("bhij,bhjv->bhiv", M[:, j], E, precision=_HI) + c[:, j]
-        starts.append(E)
-    return jnp.stack(starts, axis=1)
+    # The combine context parallelism uses across devices, on segments of one lane.
+    starts, final = combine_segment_states(jnp.moveaxis(M, 1, 0), jnp.moveaxis(c, 1, 0), h0)
+    return jnp.moveaxis(jnp.concatenate([starts, final[None]]), 0, 1), M
 
 
 def segment_end_cotangents(maps: jax.Array, d: jax.Array, dht: jax.Array | None) -> jax.Array:
