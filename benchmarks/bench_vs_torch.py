@@ -227,6 +227,9 @@ def bind_fla(smoke: bool) -> str:
 
 def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no cover - torch
     """The transformers side: written from transformers 5.17's API; runs where torch does."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a local config.json
     fla_note = bind_fla(args.smoke)
     import numpy as np
     import torch

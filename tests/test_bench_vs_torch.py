@@ -115,3 +115,20 @@ def test_hlo_categories(line, want):
     """Ops of a compiled GPU module fall in the categories the profile table sums over."""
     (info,) = profile_step.hlo_ops("  " + line).values()
     assert info["category"] == want
+
+
+def test_kernel_names_join_their_instructions():
+    """Events named after a kernel (``.``/``-`` as ``_``) count for their HLO instruction; the
+    rest stay apart, and the joined share says how much time found an instruction."""
+    ops = profile_step.hlo_ops(
+        "  %loop_add_fusion.3 = f32[8]{0} fusion(%p0), kind=kLoop, calls=%c\n"
+        '  %cublas-gemm.1 = bf16[8,8]{1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm"'
+    )
+    times = {"loop_add_fusion_3": (3.0, 1), "loop_add_fusion.3": (1.0, 1),
+             "cublas_gemm_1": (4.0, 2), "MemcpyDtoH": (2.0, 1)}  # fmt: skip
+    joined, share = profile_step.join(times, ops)
+    assert joined == {"loop_add_fusion.3": (4.0, 2), "cublas-gemm.1": (4.0, 2),
+                      "MemcpyDtoH": (2.0, 1)}  # fmt: skip
+    assert share == pytest.approx(0.8)
+    cats = {r["name"] for r in profile_step.summarise(times, ops, 1, 3) if r["what"] == "category"}
+    assert cats == {"fusion (elementwise)", "gemm", "copy"}
