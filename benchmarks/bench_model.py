@@ -17,8 +17,9 @@ latency-hiding scheduler off); ``+overlap`` keeps the scheduler.
 
 Results: the run updates the ``model`` file of :mod:`benchmarks.results` (rows ``preset, layers,
 batch, seq, setting, step_ms, mfu, peak_gib, torch_eager_ms, torch_compile_ms`` and the memory
-analysis), by default ``benchmarks/results/model_<device>.json`` on a GPU. This script has no
-FLOP count and no PyTorch peer: ``mfu`` and ``torch_*_ms`` are null.
+analysis), by default ``benchmarks/results/model_<device>.json`` on a GPU. ``mfu`` uses the FLOP
+count of ``bench_vs_torch.train_flops`` (model FLOPs over 989 TFLOP/s, FP8 settings too); the
+PyTorch peer is ``bench_vs_torch.py``: here ``torch_*_ms`` are null.
 """
 
 from __future__ import annotations
@@ -157,6 +158,17 @@ def peak_gib() -> float | None:
     return None if peak is None else peak * 2.0**-30
 
 
+def _mfu(config, batch: int, seq: int, step_s: float) -> float | None:
+    """Model FLOPs (``bench_vs_torch.train_flops``) per second over the H200's bf16 peak; None
+    for variants the count does not cover."""
+    from benchmarks.bench_vs_torch import PEAK_FLOPS, train_flops
+
+    try:
+        return train_flops(config, batch, seq)["total"] / step_s / PEAK_FLOPS
+    except NotImplementedError:
+        return None
+
+
 def bench(setting: str, args) -> dict:
     config = get_config(args.preset, **({"num_layers": args.layers} if args.layers else {}))
     s = build_step(
@@ -166,6 +178,7 @@ def bench(setting: str, args) -> dict:
     ma = s.compiled.memory_analysis()
     hlo = s.compiled.as_text()
     times, s, loss = time_step(s, args.iters)
+    step_s = float(np.median(times))
     gib = 2.0**-30
     return dict(
         preset=args.preset,
@@ -173,8 +186,9 @@ def bench(setting: str, args) -> dict:
         batch=args.batch,
         seq=args.seq,
         setting=setting,
-        step_ms=1e3 * float(np.median(times)),
-        mfu=None,
+        step_ms=1e3 * step_s,
+        tokens_s=args.batch * args.seq / step_s,
+        mfu=_mfu(config, args.batch, args.seq, step_s),
         peak_gib=peak_gib(),
         torch_eager_ms=None,
         torch_compile_ms=None,
