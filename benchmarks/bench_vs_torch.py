@@ -50,6 +50,7 @@ case) go to ``benchmarks/results/model_<device>.json`` on a GPU (:mod:`benchmark
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -418,12 +419,10 @@ def main(argv=None) -> list[dict]:
     whats = [f"ours:bf16+{s}" for s in args.settings.split(",")] if "ours" in stacks else []
     torch_ok = True
     if any(s.startswith("torch") for s in stacks):
-        try:
-            import torch  # noqa: F401
-            import transformers  # noqa: F401
-        except ImportError as e:
+        missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+        if missing:
             torch_ok = False
-            print(f"torch/transformers do not import ({e}): the PyTorch side is skipped")
+            print(f"{' and '.join(missing)} not installed: the PyTorch side is skipped")
     whats += [s for s in stacks if s.startswith("torch") and torch_ok]
     n, seq = non_embedding_params(config), args.case_list[0][1]
     per_token = train_flops(config, 1, seq)["total"] / seq

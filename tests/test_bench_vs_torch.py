@@ -54,7 +54,7 @@ def test_smoke_run_writes_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     if not HAS_TORCH:
         print("torch/transformers not importable here: only our side ran")
-        assert "the PyTorch side is skipped" in out
+        assert "not installed: the PyTorch side is skipped" in out
     assert len(rows) == 1
     r = rows[0]
     keys = {"preset", "batch", "seq", "setting", "step_ms", "mfu", "peak_gib", "torch_eager_ms",
