@@ -17,8 +17,9 @@ latency-hiding scheduler off); ``+overlap`` keeps the scheduler.
 
 Results: the run updates the ``model`` file of :mod:`benchmarks.results` (rows ``preset, layers,
 batch, seq, setting, step_ms, mfu, peak_gib, torch_eager_ms, torch_compile_ms`` and the memory
-analysis), by default ``benchmarks/results/model_<device>.json`` on a GPU. This script has no
-FLOP count and no PyTorch peer: ``mfu`` and ``torch_*_ms`` are null.
+analysis), by default ``benchmarks/results/model_<device>.json`` on a GPU. ``mfu`` uses the FLOP
+count of ``bench_vs_torch.train_flops`` (model FLOPs over 989 TFLOP/s, FP8 settings too); the
+PyTorch peer is ``bench_vs_torch.py``: here ``torch_*_ms`` are null.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,48 +76,109 @@ def _policies(spec: dict | None, num_layers: int, threshold: int, fraction: floa
     )
 
 
-def bench(setting: str, args) -> dict:
+# The optimizer of every step timed here and of its PyTorch peer (bench_vs_torch.py).
+ADAMW = dict(learning_rate=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def make_tokens(batch: int, seq: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """[batch, seq + 1] int32 random token ids (inputs ``[:, :-1]``, targets ``[:, 1:]``)."""
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+
+
+class TrainStep(NamedTuple):
+    """A compiled train step and its state: ``compiled(params, opt_state, tokens)`` returns
+    ``(params, opt_state, loss)`` (params and optimizer state donated)."""
+
+    compiled: Any
+    params: Any
+    opt_state: Any
+    tokens: jax.Array
+    compile_s: float
+    config: Any
+
+
+def build_step(
+    config,
+    setting: str,
+    batch: int,
+    seq: int,
+    *,
+    implementation="xla",
+    offload_threshold: int = 0,
+    offload_fraction: float = 1.0,
+) -> TrainStep:
+    """One AdamW step (:data:`ADAMW`; f32 parameters, bf16 compute) of ``HybridLM(config)``,
+    compiled for ``[batch, seq]`` tokens under ``setting`` (``<fp8>+<policy>[+overlap]``)."""
     backend, policy, *extra = setting.split("+")
-    if extra not in ([], ["overlap"]):
-        raise ValueError(f"{setting=}: expected <fp8>+<policy>[+overlap]")
-    config = get_config(args.preset, **({"num_layers": args.layers} if args.layers else {}))
-    model = HybridLM(
-        config, implementation=args.implementation, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
-    )
+    if extra not in ([], ["overlap"]) or policy not in _POLICIES:
+        raise ValueError(f"{setting=}: expected <fp8>+<policy>[+overlap], policy in {_POLICIES}")
+    model = HybridLM(config, implementation=implementation, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     fp8.convert_projections(model, None if backend == "bf16" else backend)
     graphdef, params = nnx.split(model, nnx.Param)
-    tx = optax.adamw(1e-4)
+    tx = optax.adamw(**ADAMW)
     opt_state = tx.init(params)
     spec = _spec(policy)
-    policies = _policies(spec, config.num_layers, args.offload_threshold, args.offload_fraction)
+    policies = _policies(spec, config.num_layers, offload_threshold, offload_fraction)
     options = remat.compiler_options(spec, overlap_copies=bool(extra))
-    tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, 1000)
+    tokens = jnp.asarray(make_tokens(batch, seq, config.vocab_size))
 
-    def loss_fn(params):
+    def loss_fn(params, tokens):
         model = nnx.merge(graphdef, params)
         x = model.hidden(tokens[:, :-1], remat_policies=policies)
         return model.loss(x, tokens[:, 1:])[0]
 
-    def step(params, opt_state):
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     t0 = time.perf_counter()
     step = jax.jit(step, donate_argnums=(0, 1), compiler_options=options)
-    compiled = step.lower(params, opt_state).compile()
-    compile_s = time.perf_counter() - t0
-    ma = compiled.memory_analysis()
-    hlo = compiled.as_text()
-    params, opt_state, loss = compiled(params, opt_state)  # warm-up
+    compiled = step.lower(params, opt_state, tokens).compile()
+    return TrainStep(compiled, params, opt_state, tokens, time.perf_counter() - t0, config)
+
+
+def time_step(s: TrainStep, iters: int) -> tuple[list[float], TrainStep, float]:
+    """Wall seconds of ``iters`` steps after one warm-up step (each blocked until done), the
+    step with its updated state, and the last loss."""
+    params, opt_state, loss = s.compiled(s.params, s.opt_state, s.tokens)  # warm-up
     jax.block_until_ready(loss)
     times = []
-    for _ in range(args.iters):
+    for _ in range(iters):
         t0 = time.perf_counter()
-        params, opt_state, loss = compiled(params, opt_state)
+        params, opt_state, loss = s.compiled(params, opt_state, s.tokens)
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - t0)
-    stats = jax.devices()[0].memory_stats() or {}
+    return times, s._replace(params=params, opt_state=opt_state), float(loss)
+
+
+def peak_gib() -> float | None:
+    """The device's peak bytes in use so far (``memory_stats``), GiB; None where not reported."""
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return None if peak is None else peak * 2.0**-30
+
+
+def _mfu(config, batch: int, seq: int, step_s: float) -> float | None:
+    """Model FLOPs (``bench_vs_torch.train_flops``) per second over the H200's bf16 peak; None
+    for variants the count does not cover."""
+    from benchmarks.bench_vs_torch import PEAK_FLOPS, train_flops
+
+    try:
+        return train_flops(config, batch, seq)["total"] / step_s / PEAK_FLOPS
+    except NotImplementedError:
+        return None
+
+
+def bench(setting: str, args) -> dict:
+    config = get_config(args.preset, **({"num_layers": args.layers} if args.layers else {}))
+    s = build_step(
+        config, setting, args.batch, args.seq, implementation=args.implementation,
+        offload_threshold=args.offload_threshold, offload_fraction=args.offload_fraction,
+    )  # fmt: skip
+    ma = s.compiled.memory_analysis()
+    hlo = s.compiled.as_text()
+    times, s, loss = time_step(s, args.iters)
+    step_s = float(np.median(times))
     gib = 2.0**-30
     return dict(
         preset=args.preset,
@@ -123,19 +186,20 @@ def bench(setting: str, args) -> dict:
         batch=args.batch,
         seq=args.seq,
         setting=setting,
-        step_ms=1e3 * float(np.median(times)),
-        mfu=None,
-        peak_gib=stats.get("peak_bytes_in_use", 0) * gib,
+        step_ms=1e3 * step_s,
+        tokens_s=args.batch * args.seq / step_s,
+        mfu=_mfu(config, args.batch, args.seq, step_s),
+        peak_gib=peak_gib(),
         torch_eager_ms=None,
         torch_compile_ms=None,
-        compile_s=compile_s,
+        compile_s=s.compile_s,
         device_temp_gib=getattr(ma, "temp_size_in_bytes", 0) * gib,
         device_args_gib=getattr(ma, "argument_size_in_bytes", 0) * gib,
         host_temp_gib=getattr(ma, "host_temp_size_in_bytes", 0) * gib,
         host_copies_S5=hlo.count("S(5)"),
         fp8_ops=hlo.count("f8e4m3fn") + hlo.count("f8e5m2"),
         cublaslt_fp8_gemms=hlo.count("cublas$lt$matmul$f8"),
-        loss=float(loss),
+        loss=loss,
     )
 
 
@@ -184,7 +248,7 @@ def main(argv=None) -> int:
         rows.append(r)
         print(
             f"{setting:24s} {r['step_ms']:8.2f} {r['device_temp_gib']:12.3f} "
-            f"{r['host_temp_gib']:13.3f} {r['peak_gib']:9.2f} {r['host_copies_S5']:5d} "
+            f"{r['host_temp_gib']:13.3f} {r['peak_gib'] or 0:9.2f} {r['host_copies_S5']:5d} "
             f"{r['fp8_ops']:6d} {r['cublaslt_fp8_gemms']:8d} {r['compile_s']:9.1f}",
             flush=True,
         )

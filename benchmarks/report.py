@@ -160,18 +160,29 @@ def decode_section(doc: dict) -> list[str]:
     return out
 
 
+def _vs(ours, theirs) -> str:
+    """``theirs`` ms with ours / theirs in brackets; — where not measured."""
+    if theirs is None:
+        return "—"
+    return f"{theirs:.2f}" + ("" if ours is None else f" ({ours / theirs:.2f})")
+
+
 def model_section(doc: dict) -> list[str]:
     rows = list(doc["rows"])
-    rows.sort(key=lambda r: (-(r["layers"] or 0), r["gpu"] is None, r["gpu"] or 0))
+    rows.sort(key=lambda r: (-(r["layers"] or 0), r["gpu"] is None, r["gpu"] or 0,
+                             r["batch"] * r["seq"], r["seq"]))  # fmt: skip
     body = []
     for r in rows:
         gib = lambda k, r=r: "—" if r.get(k) is None else f"{r[k]:.2f}"
+        step = r.get("step_ms")
+        tok = r.get("tokens_s") or (step and r["batch"] * r["seq"] / step * 1e3)
         body.append([
             r["preset"], str(r["layers"]), f"B{r['batch']} T{r['seq']}", r["setting"],
-            "—" if r["gpu"] is None else str(r["gpu"]), _ms(r.get("step_ms"), 2),
+            "—" if r["gpu"] is None else str(r["gpu"]), _ms(step, 2),
+            "—" if tok is None else f"{tok / 1e3:.1f} k",
             "—" if r.get("mfu") is None else f"{r['mfu']:.1%}", gib("peak_gib"),
-            gib("device_temp_gib"), gib("host_temp_gib"), _ms(r.get("torch_eager_ms"), 2),
-            _ms(r.get("torch_compile_ms"), 2), _run_col(r),
+            gib("device_temp_gib"), gib("host_temp_gib"), _vs(step, r.get("torch_eager_ms")),
+            _vs(step, r.get("torch_compile_ms")), _run_col(r),
         ])  # fmt: skip
     out = [
         "## Model train step",
@@ -180,15 +191,44 @@ def model_section(doc: dict) -> list[str]:
         "steps after a warm-up, each setting in its own process. Settings "
         "`<projections>+<remat policy>[+overlap]` (`bench_model.py`); memory from XLA's "
         "compiled memory analysis (device / host temp) and the device's peak bytes in use. "
-        "The PyTorch columns (transformers' Qwen3.5 with FLA's kernels, eager and "
-        "`torch.compile`) and MFU are empty where not measured.",
+        "The PyTorch columns (`bench_vs_torch.py`: transformers' `Qwen3_5ForCausalLM` with "
+        "FLA's kernels, f32 parameters + bf16 autocast, fused AdamW, eager and "
+        "`torch.compile`; in brackets ours / theirs) and MFU (`train_flops` in "
+        "`bench_vs_torch.py`, 989 TFLOP/s) are empty where not measured.",
         "",
     ]
     out += _table(
-        ["preset", "layers", "shape", "setting", "GPU", "step ms", "MFU", "peak GiB",
-         "device temp GiB", "host temp GiB", "torch eager ms", "torch compile ms", "runs"],
+        ["preset", "layers", "shape", "setting", "GPU", "step ms", "tokens/s", "MFU",
+         "peak GiB", "device temp GiB", "host temp GiB", "torch eager ms", "torch compile ms",
+         "runs"],
         body,
     )  # fmt: skip
+    out += _run_lines(rows, doc)
+    return out
+
+
+def profile_section(doc: dict) -> list[str]:
+    rows = [r for r in doc["rows"] if r["what"] in ("total", "op", "category")]
+    rows.sort(key=lambda r: (r["preset"], r["batch"], r["seq"], r["setting"],
+                             ("total", "op", "category").index(r["what"]), r["rank"]))  # fmt: skip
+    body = []
+    for r in rows:
+        what = {"total": "total", "op": f"op {r['rank']}", "category": "category"}[r["what"]]
+        body.append([
+            f"{r['preset']} B{r['batch']} T{r['seq']} {r['setting']}", what, r["name"],
+            r.get("category") or "", f"{r['ms']:.2f}", f"{r['share']:.1%}",
+            f"{r['count']:g}", (r.get("source") or "").replace("|", "/"), _run_col(r),
+        ])  # fmt: skip
+    out = [
+        "## Train step profile",
+        "",
+        "Device time per step of the `bench_model` step under `jax.profiler.trace` "
+        "(`profile_step.py`): the top HLO ops by time, then the time per category; `JAX op` "
+        "is the op's `op_name` metadata.",
+        "",
+    ]
+    out += _table(["step", "row", "op", "category", "ms/step", "share", "calls/step",
+                   "JAX op", "runs"], body)  # fmt: skip
     out += _run_lines(rows, doc)
     return out
 
@@ -269,7 +309,8 @@ def render(docs: dict[str, dict | None]) -> str:
         "the bench scripts); do not edit by hand. Times in ms. Run letters are per section.",
     ]
     sections = {"ops": ops_section, "decode": decode_section, "model": model_section,
-                "sharding": sharding_section, "hf": hf_section}  # fmt: skip
+                "sharding": sharding_section, "hf": hf_section,
+                "profile": profile_section}  # fmt: skip
     for topic in TOPICS:
         if docs[topic] is not None:
             out += [""] + sections[topic](docs[topic])

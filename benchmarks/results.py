@@ -4,7 +4,7 @@
 ``model_h200.json``, ``sharding_h200.json``) holds every row measured for that topic on that
 device::
 
-    {"topic": "ops" | "decode" | "model" | "sharding",
+    {"topic": "ops" | "decode" | "model" | "sharding" | "hf" | "profile",
      "device": "NVIDIA H200",
      "date": "2026-11-29T10:28:52+00:00", "commit": "e396b85" | null,
      "command": "python3 benchmarks/bench_gdn.py ...", "versions": {"jax": "0.11.2", ...},
@@ -27,7 +27,10 @@ Row fields per topic:
 - model: ``preset, layers, batch, seq, setting, step_ms, mfu, peak_gib, torch_eager_ms,
   torch_compile_ms`` (+ memory analysis, compile time);
 - sharding: ``preset, layers, seq, mode, devices, global_batch, loss_rel_diff, grad_rel_rms,
-  step_ms_1, step_ms_n, tokens_per_s_per_device, efficiency`` (+ comparisons with the f32 maths).
+  step_ms_1, step_ms_n, tokens_per_s_per_device, efficiency`` (+ comparisons with the f32 maths);
+- hf: ``what, batch, seq, ours, torch, ratio``;
+- profile: ``preset, layers, batch, seq, setting, what ("total" | "op" | "category"), rank,
+  name, category, ms, share, count, source`` (``benchmarks/profile_step.py``).
 
 A field that was not measured is ``null``. The fields of :data:`KEYS` identify a row: a run
 that measures a row with the same key replaces it whole (:func:`add_run`). The bench scripts
@@ -50,7 +53,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-TOPICS = ("ops", "decode", "model", "sharding", "hf")
+TOPICS = ("ops", "decode", "model", "sharding", "hf", "profile")
 # the fields that identify a row of each topic (rows with equal keys are the same measurement)
 KEYS = {
     "ops": ("variant", "shape", "mode", "dtype", "qat"),
@@ -67,6 +70,8 @@ KEYS = {
         "config",
     ),
     "hf": ("what", "batch", "seq"),
+    # one profile's table: a new profile of a step replaces the ops of the same rank
+    "profile": ("preset", "layers", "batch", "seq", "setting", "what", "rank"),
 }
 STAGE_KEYS = ("variant", "shape", "dtype", "kernel")  # the ops file's per-kernel times
 RUN_FIELDS = ("date", "commit", "command", "note", "versions")  # what each entry of runs says

@@ -104,3 +104,38 @@ def test_write_updates_the_file_in_place(tmp_path):
     assert (doc["date"], doc["note"]) == ("d1", "n")
     assert doc["rows"] == [key | dict(pallas_ms=1.0, run=1)]
     assert set(doc) >= {"device", "date", "commit", "command", "versions", "rows", "runs"}
+
+
+def test_report_renders_vs_torch_rows_and_profiles(tmp_path):
+    """A bench_vs_torch row shows tokens/s, MFU and each torch time with ours / theirs; a
+    profile file renders its total, op and category rows."""
+    report = _report()
+
+    def run(date):
+        return dict(date=date, commit=None, command=f"cmd {date}", note=None, versions={})
+
+    row = dict(preset="qwen3_5_0_8b", layers=24, batch=4, seq=4096, setting="bf16+none",
+               gpu=None, step_ms=100.0, tokens_s=163840.0, mfu=0.4125, peak_gib=30.0,
+               torch_eager_ms=250.0, torch_compile_ms=None, run=0)  # fmt: skip
+    model = {"topic": "model", "device": "GPU", **run("d0"), "runs": [run("d0")], "rows": [row]}
+    case = dict(preset="tiny", layers=4, batch=2, seq=64, setting="bf16+none", run=0)
+    prof_rows = [
+        case | dict(what="total", rank=0, name="all device time", category=None, ms=9.0,
+                    share=1.0, count=40, source=None),
+        case | dict(what="op", rank=1, name="fusion.7", category="gemm", ms=6.0,
+                    share=2 / 3, count=2, source="transpose(jvp())/dot_general"),
+        case | dict(what="category", rank=1, name="gemm", category="gemm", ms=6.0,
+                    share=2 / 3, count=2, source=None),
+    ]  # fmt: skip
+    profile = {"topic": "profile", "device": "GPU", **run("d1"), "runs": [run("d1")],
+               "rows": prof_rows}  # fmt: skip
+    (tmp_path / "model_gpu.json").write_text(json.dumps(model))
+    (tmp_path / "profile_gpu.json").write_text(json.dumps(profile))
+    text = report.render(report.load(tmp_path))
+    line = next(x for x in text.splitlines() if x.startswith("| qwen3_5_0_8b | 24 | B4 T4096"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[5:9] == ["100.00", "163.8 k", "41.2%", "30.00"]
+    assert cells[11:13] == ["250.00 (0.40)", "—"]
+    assert "## Train step profile" in text
+    assert "| tiny B2 T64 bf16+none | op 1 | fusion.7 | gemm | 6.00 | 66.7% | 2 |" in text
+    assert "| tiny B2 T64 bf16+none | total | all device time |  | 9.00 | 100.0% | 40 |" in text

@@ -17,9 +17,15 @@ from jax.sharding import PartitionSpec as P
 
 from gdn_jax import remat
 from gdn_jax.nn.layers import EMBED, HEADS, KV_HEADS, RMSNorm, dense
-from gdn_jax.sharding import _entry, explicit_axes_of, in_auto_axes, laid_out_like
+from gdn_jax.sharding import (
+    _entry,
+    explicit_axes_of,
+    explicit_mesh,
+    in_auto_axes,
+    laid_out_like,
+)
 
-__all__ = ["GatedAttention", "KVCache", "apply_rotary"]
+__all__ = ["GatedAttention", "KVCache", "apply_rotary", "attention_implementation"]
 
 
 class KVCache(NamedTuple):
@@ -58,9 +64,36 @@ def _write(cache: jax.Array, x: jax.Array, start) -> jax.Array:
     return jax.lax.dynamic_update_slice(laid_out_like(cache, cache, x), x, start)
 
 
+def attention_implementation(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> str | None:
+    """``"cudnn"`` where cuDNN's flash attention serves ``q`` [B, T, N, Dh] and ``k``, else None
+    (XLA's attention).
+
+    cuDNN serves: a CUDA GPU backend, bf16/f16 inputs, a head dim that is a multiple of 8 and at
+    most 128 (256 from Hopper on, as ``jax.nn.dot_product_attention`` requires), no explicit
+    mask (causal or full attention), and no Explicit mesh axes on the inputs.
+    """
+    if mask is not None or q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
+        return None
+    if jax.default_backend() != "gpu" or explicit_mesh(q, k) is not None:
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is None:  # not a CUDA device
+        return None
+    head_max = 256 if tuple(int(x) for x in str(capability).split(".")) >= (9, 0) else 128
+    Dh = q.shape[-1]
+    return "cudnn" if Dh % 8 == 0 and Dh <= head_max else None
+
+
 def _attend(q, k, v, *, mask, is_causal: bool = False):
-    """``jax.nn.dot_product_attention``; on Explicit mesh axes XLA's partitioner lays out its
-    grouped-head products and the output is laid out like q."""
+    """``jax.nn.dot_product_attention``: cuDNN's flash attention where it serves the inputs
+    (:func:`attention_implementation`), XLA's otherwise; on Explicit mesh axes XLA's partitioner
+    lays out its grouped-head products and the output is laid out like q."""
+    impl = attention_implementation(q, k, mask)
+    if impl == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=impl)
+        except NotImplementedError:  # a shape cuDNN turns down (its own checks, at trace time)
+            pass
     out = P(*(_entry(a) for a in explicit_axes_of(q)))
     fn = lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
     return in_auto_axes(fn, out, q, k, v, mask)

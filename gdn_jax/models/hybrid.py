@@ -14,6 +14,7 @@ a model built from one computes what transformers' ``Qwen3_5ForCausalLM`` comput
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -33,6 +34,7 @@ from gdn_jax.nn.layers import (
     MLP,
     VOCAB,
     RMSNorm,
+    _projection,
     dense,
     partitioned,
     project,
@@ -338,6 +340,75 @@ def _call_layer(layer, x, positions, mask, cu_seqlens):
     return layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
 
 
+def _head_ce_chunks(x, w, targets, mask, chunk: int, grads: bool):
+    """Mean cross-entropy and accuracy of the logits ``x @ w``, ``chunk`` positions at a time.
+
+    Args:
+      x: [B, T, D] normed hidden states (T a multiple of ``chunk``); w: [D, V] head matrix.
+      targets: [B, T] ids in [0, V); mask: [B, T] f32 weights.
+      grads: also return the gradients of the mean loss: dx [B, T, D] (x.dtype) and dw [D, V]
+        (w.dtype, summed over the chunks in f32).
+    Returns:
+      ((loss, accuracy), (dx, dw) or None).
+    """
+    B, T, D = x.shape
+    V = w.shape[1]
+    n = T // chunk
+    f32 = jnp.float32
+    inv = 1.0 / jnp.maximum(jnp.sum(mask), 1.0)
+    split = lambda a: a.reshape(B, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    def body(carry, xs):
+        xc, tc, mc = xs  # [B, c, D], [B, c], [B, c]
+        logits = project(xc, w)  # [B, c, V] in the compute dtype, as the head computes them
+        lf = logits.astype(f32)
+        lse = jax.nn.logsumexp(lf, axis=-1)
+        target = jnp.take_along_axis(lf, tc[..., None], axis=-1)[..., 0]
+        correct = (jnp.argmax(lf, axis=-1) == tc).astype(f32)
+        nll, acc = carry[0] + jnp.sum((lse - target) * mc), carry[1] + jnp.sum(correct * mc)
+        if not grads:
+            return (nll, acc), None
+        # d(Σ mask · nll / Σ mask) / d logits, cast like the logits' cotangent would be.
+        p = jnp.exp(lf - lse[..., None])
+        onehot = jnp.arange(V, dtype=tc.dtype) == tc[..., None]
+        dlogits = ((p - onehot) * (mc * inv)[..., None]).astype(logits.dtype)
+        dx = jax.lax.dot_general(dlogits, w, (((2,), (1,)), ((), ())))  # [B, c, D]
+        dw = carry[2] + jax.lax.dot_general(
+            xc, dlogits, (((0, 1), (0, 1)), ((), ())), preferred_element_type=f32
+        )  # [D, V]
+        return (nll, acc, dw), dx.astype(x.dtype)
+
+    zero = jnp.zeros((), f32)
+    init = (zero, zero, jnp.zeros((D, V), f32)) if grads else (zero, zero)
+    carry, dx = jax.lax.scan(body, init, (split(x), split(targets), split(mask)))
+    out = (carry[0] * inv, carry[1] * inv)
+    if not grads:
+        return out, None
+    return out, (dx.swapaxes(0, 1).reshape(B, T, D), carry[2].astype(w.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _head_cross_entropy(x, w, targets, mask, chunk: int):
+    """``(loss, accuracy)`` of the logits ``x @ w`` (:func:`_head_ce_chunks`); under reverse-mode
+    differentiation the gradients are formed chunk by chunk in the forward pass."""
+    return _head_ce_chunks(x, w, targets, mask, chunk, grads=False)[0]
+
+
+def _head_cross_entropy_fwd(x, w, targets, mask, chunk):
+    out, (dx, dw) = _head_ce_chunks(x, w, targets, mask, chunk, grads=True)
+    return out, (dx, dw)
+
+
+def _head_cross_entropy_bwd(chunk, res, g):
+    dx, dw = res
+    g = g[0]  # the accuracy has no gradient
+    scale = lambda a: (a.astype(jnp.float32) * g).astype(a.dtype)
+    return scale(dx), scale(dw), None, None
+
+
+_head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)
+
+
 class HybridLM(nnx.Module):
     """Decoder-only LM over token ids, ``[B, T] -> logits [B, T, vocab]``.
 
@@ -476,9 +547,15 @@ class HybridLM(nnx.Module):
 
         The logits of a 248k vocabulary are 3.8 GiB in f32 at B·T = 4096, more than all 24
         layers' saved activations of ``qwen3_5_0_8b``: a training step that materialises them
-        peaks there, and the memory effect of remat/offload is hidden under them. Each chunk's
-        logits are recomputed in the backward pass (``jax.checkpoint``), so the head costs one
-        extra [B, chunk, hidden] × [hidden, vocab] product per chunk.
+        peaks there, and the memory effect of remat/offload is hidden under them. Under
+        differentiation each chunk's logit gradient ``mask · (softmax − onehot) / Σ mask`` is
+        formed in the forward pass, right after its logits, and turned into the chunk's input
+        gradient and a share of the head's weight gradient (f32 sum over chunks) there: the
+        head costs its three [B, chunk, hidden] × [hidden, vocab] products and no recomputation,
+        and the backward pass only scales the two gradients by the loss's cotangent. (A
+        ``jax.custom_vjp``: reverse mode only; the mask gets no gradient.) On Explicit mesh axes,
+        and for an LM head other than a plain projection, each chunk's logits are recomputed in
+        the backward pass instead (``jax.checkpoint``).
 
         Args:
           x: [B, T, hidden] from :meth:`hidden`.
@@ -511,11 +588,19 @@ class HybridLM(nnx.Module):
             correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
             return jnp.sum((lse - target) * mask), jnp.sum(correct * mask)
 
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk <= 0):  # fmt: skip
+            raise ValueError(f"chunk must be a positive int or None; got {chunk=}")
+        head = self._plain_head(x)
+        if head is not None:
+            xn, w = head
+            if chunk is None or chunk >= T:
+                chunk = T
+            xn, targets, mask = _checks.pad_time(chunk, xn, targets, mask)  # padding: weight 0
+            return _head_cross_entropy(xn, w, targets, mask, chunk)
         if chunk is None or chunk >= T:
             nll, correct = sums(x, targets, mask)
         else:
-            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-                raise ValueError(f"chunk must be a positive int or None; got {chunk=}")
             x, targets, mask = _checks.pad_time(chunk, x, targets, mask)  # padding: weight 0
             n = x.shape[1] // chunk
             split = lambda a: a.reshape(B, n, chunk, *a.shape[2:]).swapaxes(0, 1)
@@ -539,6 +624,30 @@ class HybridLM(nnx.Module):
         # partitioner; the embeddings are laid out like the tokens.
         out = P(*(_entry(a) for a in explicit_axes_of(tokens)), None)
         return self.embed(tokens, out_sharding=NamedSharding(mesh, out))
+
+    def _plain_head(self, x):
+        """``(norm(x), W [hidden, vocab])`` in the compute dtype when the LM head is the plain
+        projection ``norm(x) @ W`` (tied embeddings or an unconverted bias-free ``nnx.Linear``)
+        and no input is on Explicit mesh axes; None otherwise."""
+        if self.config.tie_embeddings:
+            table = self.embed.embedding[...]
+            if explicit_mesh(x, table) is not None:
+                return None
+            x, table = self.embed.promote_dtype((self.norm(x), table), dtype=self.dtype)
+            return x, table.T
+        head = self.lm_head
+        plain = (
+            type(head) is nnx.Linear
+            and head.bias is None
+            and head.dot_general is _projection(jax.lax.dot_general)
+            and getattr(head, "dot_general_cls", None) is None
+            and getattr(head, "preferred_element_type", None) is None
+            and head.precision is None
+        )
+        if not plain or explicit_mesh(x, head.kernel[...]) is not None:
+            return None
+        x, kernel = head.promote_dtype((self.norm(x), head.kernel[...]), dtype=head.dtype)
+        return x, kernel
 
     def _logits(self, x):
         x = self.norm(x)

@@ -1,0 +1,255 @@
+"""Where the train step's device time goes: a ``jax.profiler`` trace, top ops by time.
+
+Builds the step of ``bench_model.build_step`` (one AdamW step, f32 parameters, bf16 compute),
+runs a warm-up step, then traces ``--steps`` steps with ``jax.profiler.trace`` and reads the
+``*.xplane.pb`` it writes with ``jax.profiler.ProfileData`` (part of jaxlib; no TensorBoard or
+xprof needed). Per HLO op of the compiled step (the ``hlo_op`` stat of each kernel on the
+device's stream lines; on a CPU, of each XLA thunk on the host) it sums the time, per step, and
+joins the op with the compiled HLO text for its opcode, its category (``gemm``, ``attention``,
+``pallas``, ``fusion``, ``copy``, ...) and the JAX operation that made it (``op_name``).
+
+    python benchmarks/profile_step.py --preset qwen3_5_0_8b --batch 4 --seq 4096 --setting bf16+none
+    python benchmarks/profile_step.py --preset tiny --batch 2 --seq 64 --steps 1   # CPU check
+
+Prints the top ``--top`` ops and the time per category; rows go to the ``profile`` file of
+:mod:`benchmarks.results` on a GPU (``benchmarks/results/profile_<device>.json``):
+``{preset, layers, batch, seq, setting, what ("op" | "category" | "total"), rank, name,
+category, ms, share, count, source}`` with ``ms`` and ``count`` per step and ``share`` of the
+summed device time. The trace itself stays in ``--trace-dir`` (TensorBoard/xprof read it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Device-plane lines that summarise other lines (present in some profiler versions).
+_DERIVED_LINES = {"XLA Modules", "XLA Ops", "Steps", "XLA TraceMe", "Framework Ops", "Source code"}
+_HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
+
+
+def op_times(xspace: str | Path) -> dict[str, tuple[float, int]]:
+    """Summed duration (ns) and count of each HLO op's events in an ``.xplane.pb`` file.
+
+    Device planes (``/device:...``): every event on the stream lines, named by its ``hlo_op``
+    stat (the kernel name where there is none: memcpys, kernels outside XLA). Without device
+    planes (CPU): the host events that carry an ``hlo_op`` stat (XLA's thunks).
+    """
+    from jax.profiler import ProfileData
+
+    warnings.filterwarnings("ignore", "builtin type event_stats", DeprecationWarning)
+    data = ProfileData.from_file(str(xspace))
+    planes = [p for p in data.planes if p.name.startswith("/device:")]
+    out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+
+    def add(name, ns):
+        out[name][0] += ns
+        out[name][1] += 1
+
+    for plane in planes:
+        for line in plane.lines:
+            if line.name in _DERIVED_LINES:
+                continue
+            for e in line.events:
+                stats = dict(e.stats)
+                add(str(stats.get("hlo_op", e.name)), e.duration_ns)
+    if not planes:
+        for plane in data.planes:
+            if not plane.name.startswith("/host:"):
+                continue
+            for line in plane.lines:
+                for e in line.events:
+                    stats = dict(e.stats)
+                    if "hlo_op" in stats:
+                        add(str(stats["hlo_op"]), e.duration_ns)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def hlo_ops(hlo_text: str) -> dict[str, dict]:
+    """``{instruction name: {"opcode", "category", "source"}}`` of a compiled module's text."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _HLO_LINE.match(line)
+        if not m:
+            continue
+        name, opcode = m.groups()
+        meta = re.search(r'op_name="([^"]*)"', line)
+        target = re.search(r'custom_call_target="([^"]*)"', line)
+        kind = re.search(r"kind=(k\w+)", line)
+        out[name] = dict(
+            opcode=opcode,
+            category=category(opcode, target and target.group(1), kind and kind.group(1), line),
+            source=meta.group(1) if meta else "",
+        )
+    return out
+
+
+def category(opcode: str, target: str | None, kind: str | None, line: str = "") -> str:
+    """A coarse class of an HLO instruction: gemm, attention, pallas, fusion, copy, ..."""
+    t = (target or "").lower()
+    if opcode == "custom-call":
+        if "cublas" in t or "gemm" in t or "matmul" in t:
+            return "gemm"
+        if "cudnn" in t and ("fmha" in t or "attention" in t or "flash" in t):
+            return "attention"
+        if "mosaic" in t or "triton" in t or "pallas" in t:
+            return "pallas"
+        return f"custom-call {target}"
+    if opcode == "fusion":
+        if kind == "kCustom" and ("gemm" in line or "dot" in line):
+            return "gemm"
+        if "cudnn" in line and "fmha" in line:
+            return "attention"
+        if kind == "kInput":
+            return "fusion (reduce)"
+        return "fusion (elementwise)"
+    if opcode in ("dot", "convolution"):
+        return "gemm"
+    if opcode in ("copy", "transpose", "copy-start", "copy-done", "dynamic-update-slice"):
+        return "copy"
+    if opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+        return "collective"
+    return opcode
+
+
+def kernel_category(name: str) -> str:
+    """The category of an event that is no op of the step's HLO, from its (kernel) name."""
+    n = name.lower()
+    for cat, words in (("gemm", ("gemm", "cutlass", "xmma", "matmul")),
+                       ("attention", ("fmha", "flash", "cudnn")),
+                       ("copy", ("memcpy", "memset", "copy"))):  # fmt: skip
+        if any(w in n for w in words):
+            return cat
+    return "other (not in the step's HLO)"
+
+
+def _key(name: str) -> str:
+    # XLA names a kernel after its instruction with "." and "-" turned into "_".
+    return re.sub(r"[.\-]", "_", name)
+
+
+def join(times: dict, ops: dict) -> tuple[dict, float]:
+    """``times`` keyed by HLO instruction names where an event's name is a kernel named after
+    one (``loop_add_fusion_3`` for ``loop_add_fusion.3``), and the share of the time that is
+    now on an instruction of ``ops``."""
+    by_key = {_key(k): k for k in ops}
+    out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for name, (ns, n) in times.items():
+        k = name if name in ops else by_key.get(_key(name), name)
+        out[k][0] += ns
+        out[k][1] += n
+    total = sum(ns for ns, _ in times.values()) or 1.0
+    joined = sum(ns for k, (ns, _) in out.items() if k in ops) / total
+    return {k: (v[0], v[1]) for k, v in out.items()}, joined
+
+
+def summarise(times: dict, ops: dict, steps: int, top: int) -> list[dict]:
+    """Rows: the summed device time (``what="total"``), the ``top`` ops by time
+    (``what="op"``) and the time per category (``what="category"``), ms per step."""
+    times, _ = join(times, ops)
+    total = sum(ns for ns, _ in times.values()) or 1.0
+    ms = lambda ns: ns / 1e6 / steps
+    calls = sum(c for _, c in times.values()) / steps
+    rows = [dict(what="total", rank=0, name="all device time", category=None, ms=ms(total),
+                 share=1.0, count=calls, source=None)]  # fmt: skip
+    by_cat: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])
+    for name, (ns, n) in ranked:
+        cat = ops.get(name, {}).get("category") or kernel_category(name)
+        by_cat[cat][0] += ns
+        by_cat[cat][1] += n
+    for i, (name, (ns, n)) in enumerate(ranked[:top]):
+        info = ops.get(name, {})
+        rows.append(dict(
+            what="op", rank=i + 1, name=name,
+            category=info.get("category") or kernel_category(name),
+            ms=ms(ns), share=ns / total, count=n / steps, source=_short(info.get("source", "")),
+        ))  # fmt: skip
+    for i, (cat, (ns, n)) in enumerate(sorted(by_cat.items(), key=lambda kv: -kv[1][0])):
+        rows.append(dict(what="category", rank=i + 1, name=cat, category=cat, ms=ms(ns),
+                         share=ns / total, count=n / steps, source=None))  # fmt: skip
+    return rows
+
+
+def _short(source: str, width: int = 90) -> str:
+    s = re.sub(r"^jit\([^)]*\)/", "", source)
+    return s if len(s) <= width else "…" + s[-(width - 1) :]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| # | op | category | ms/step | share | calls/step | JAX op |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if r["what"] == "op":
+            lines.append(f"| {r['rank']} | {r['name']} | {r['category']} | {r['ms']:.2f} | "
+                         f"{r['share']:.1%} | {r['count']:g} | {r['source'] or ''} |")  # fmt: skip
+    lines += ["", "| category | ms/step | share | calls/step |", "|---|---|---|---|"]
+    for r in rows:
+        if r["what"] in ("category", "total"):
+            lines.append(f"| {r['name']} | {r['ms']:.2f} | {r['share']:.1%} | {r['count']:g} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="qwen3_5_0_8b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--setting", default="bf16+none", help="bench_model setting")
+    p.add_argument("--implementation", default=None, help="default: pallas on a GPU, else xla")
+    p.add_argument("--steps", type=int, default=3, help="steps traced")
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--trace-dir", default=None, help="default: a temporary folder")
+    p.add_argument("--json", default="auto", help="results file: auto, PATH, none")
+    args = p.parse_args(argv)
+
+    import jax
+
+    from benchmarks import results
+    from benchmarks.bench_model import build_step, time_step
+    from gdn_jax.models import get_config
+
+    date = results.now()
+    overrides = {"num_layers": args.layers} if args.layers else {}
+    config = get_config(args.preset, **overrides)
+    impl = args.implementation or ("pallas" if jax.default_backend() == "gpu" else "xla")
+    s = build_step(config, args.setting, args.batch, args.seq, implementation=impl)
+    ops = hlo_ops(s.compiled.as_text())
+    wall, s, _ = time_step(s, 1)  # warm-up, then one untraced step
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = Path(args.trace_dir or tmp)
+        t0 = time.perf_counter()
+        with jax.profiler.trace(str(trace_dir)):
+            _, s, _ = time_step(s, args.steps)
+        traced_s = time.perf_counter() - t0
+        files = sorted(trace_dir.rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
+        if not files:
+            raise SystemExit(f"no *.xplane.pb under {trace_dir}: the profiler wrote no trace")
+        times = op_times(files[-1])
+    _, joined = join(times, ops)
+    # time_step runs one warm-up step before the timed ones: steps + 1 steps were traced.
+    rows = summarise(times, ops, args.steps + 1, args.top)
+    for r in rows:
+        r.update(preset=args.preset, layers=config.num_layers, batch=args.batch, seq=args.seq,
+                 setting=args.setting)  # fmt: skip
+    print(f"{jax.devices()[0].device_kind}: {args.preset} B{args.batch} T{args.seq} "
+          f"{args.setting} ({impl}); step {1e3 * wall[0]:.1f} ms untraced, "
+          f"{1e3 * traced_s / (args.steps + 1):.1f} ms traced; device time "
+          f"{rows[0]['ms']:.1f} ms/step, {joined:.0%} of it on ops of the step's HLO")  # fmt: skip
+    print(table(rows))
+    results.write(results.output_path(args.json, "profile"), "profile", rows, date=date)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
