@@ -19,6 +19,15 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 
+def pytest_configure(config):
+    # The GPU suite under pytest -n N: the tests of a module share compiled programs (cached per
+    # process by tests/channel_cases.py and tests/gdn_cases.py), which xdist's default "load"
+    # would scatter over the workers; one module per worker instead.
+    markexpr = config.getoption("markexpr", "") or ""
+    if "gpu" in markexpr and getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadfile"
+
+
 def pytest_collection_modifyitems(config, items):
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
     if on_gpu:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gdn_cases import run_interpreted
+from gdn_cases import cached_jit, run_interpreted
 from test_channel_ksplit_dqkw import SMEM_TWO_CTAS, _smem_limit
 from test_channel_pallas_bwd import _chunks, _explicit, _rep, _unchunk, core_case
 
@@ -68,11 +68,10 @@ def _refs(args):
 def check_split(args, *, tol_split, tol_ref, jit=True):
     """split=True against split=False (``tol_split``; qg, kg bitwise) and against the formulas
     (``tol_ref``, and no worse than twice the unsplit kernel's error), relative RMS."""
-    run_s, run_u = (functools.partial(_intra, split=s) for s in (True, False))
-    if jit:
-        run_s, run_u, refs = jax.jit(run_s), jax.jit(run_u), jax.jit(_refs)
-    else:
-        refs = _refs
+    run_s, run_u = (
+        (cached_jit if jit else functools.partial)(_intra, split=s) for s in (True, False)
+    )
+    refs = cached_jit(_refs, reference=True) if jit else _refs
     split, plain, ref = run_s(args), run_u(args), refs(args)
     report, bad = [], []
     for name in OUTS:
