@@ -184,11 +184,5 @@ def test_unsplit_needs_a_whole_sm(variant):
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU (H200): a realistic shape, with GVA
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_split_matches(variant):
-    args = _inputs(2, variant, 1024, 4, 8, 128)
-    check_split(args, tol_split=1e-2, tol_ref=2e-2)
+# GPU (H200): test_channel_pallas_bwd.py::test_gpu_intra_split runs check_split at a
+# realistic shape, in the module whose worker holds the per-kernel tests' inputs and kernels.

@@ -339,3 +339,22 @@ def test_gpu_kda_with_scalar_gate_is_gdn():
     ref, rs = _forward("gdn", x, cu, cts, f32, reference=True)
     ref_lo, rs_lo = _forward("gdn", x, cu, cts, bf16, reference=True)
     _reduction_check([("o", ok, og, ref, ref_lo), ("final_state", sk, sg, rs, rs_lo)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gdn", "kda", "gdn2"])
+@pytest.mark.parametrize("case", ["one_token", "whole_chunk"])
+def test_gpu_reset_gates(variant, case):
+    """Full-reset gates (g = -inf) through the kernels give the recurrence's answer.
+
+    The op clamps log-decays to [LOG_DECAY_FLOOR, 0] before it chooses an implementation
+    (docs/ops.md), so the kernels see finite gates whose decay factor is exactly 0 in f32: every
+    output and gradient keeps the 2x rule against the f32 recurrence run on the raw -inf gates,
+    and d g is 0 where g = -inf. On the DENSE programs (GDN's also serve the reduction test)."""
+    x, cu, cts = channel_case(0, variant, *DENSE[:4], 128, 128, DENSE[4])
+    g = x["g"]
+    x["g"] = g.at[:, 100].set(-jnp.inf) if case == "one_token" else g.at[:, 64:128].set(-jnp.inf)
+    got = check_channel_2x(variant, pallas_op(variant), x, cu, cts, bf16)
+    assert all(bool(jnp.all(jnp.isfinite(a))) for a in got)
+    dg = got[NAMES[variant].index("dg")]
+    np.testing.assert_array_equal(np.asarray(dg)[np.isneginf(np.asarray(x["g"]))], 0.0)

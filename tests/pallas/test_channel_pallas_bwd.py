@@ -270,15 +270,17 @@ def test_gpu_op_matches_reference(variant, B, T, H, HV, cu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "T,H,HV,cu",
+    "T,H,HV,cu,K",
     [
-        (4096, 8, 16, [0, 1000, 1000, 2500, 2501, 4096]),  # an empty and a one-token sequence, GVA
-        pytest.param(8192, 16, 32, [0, 1000, 1000, 2500, 2501, 8192], marks=SLOW),
+        # an empty and a one-token sequence, GVA; K = V = 64 (the op's K = V = 128 cases are
+        # test_channel_pallas.py's)
+        (4096, 8, 16, [0, 1000, 1000, 2500, 2501, 4096], 64),
+        pytest.param(8192, 16, 32, [0, 1000, 1000, 2500, 2501, 8192], 128, marks=SLOW),
     ],
 )
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_packed_one_lane(variant, T, H, HV, cu):
-    check_one_lane(variant, T, H, HV, cu, 128, seed=3)
+def test_gpu_packed_one_lane(variant, T, H, HV, cu, K):
+    check_one_lane(variant, T, H, HV, cu, K, seed=3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,3 +478,36 @@ def test_interpret_kernels(variant):
 def test_gpu_kernels(variant, sliced):
     x = gpu_kernel_inputs(variant)
     check_kernels(x, sliced=sliced)
+
+
+# The split forms' GPU checks (their modules hold the checks and the CPU tests), here so that they
+# reuse this module's per-kernel inputs, compiled kernels and references in one worker.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("variant,H,HV", [("kda", 4, 8), ("gdn2", 8, 8)])
+def test_gpu_ksplit_dqkw(variant, H, HV, sliced):
+    """K-split dq/dk/dw against the one-CTA form and the formulas, with and without GVA."""
+    from test_channel_ksplit_dqkw import check_ksplit
+
+    check_ksplit(gpu_kernel_inputs(variant, H, HV), sliced=sliced, tol_split=1e-2, tol_ref=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_ksplit_wy(variant, sliced):
+    """K-split WY backward against the unsplit kernel and the formulas (tolerance 2e-2)."""
+    from test_channel_ksplit_wy import check_split
+
+    check_split(gpu_kernel_inputs(variant), sliced=sliced, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_intra_split(variant):
+    """The split intra kernel against the one-CTA kernel and the formulas, with GVA."""
+    from test_channel_intra_split import _inputs, check_split
+
+    check_split(_inputs(2, variant, 1024, 4, 8, 128), tol_split=1e-2, tol_ref=2e-2)

@@ -307,18 +307,25 @@ def _chunk_qat(*args, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "ref,dtypes",
-    [(recurrent_gated_delta_rule, (bf16, f16)), (_chunk_qat, (bf16,))],
+    [
+        (recurrent_gated_delta_rule, (bf16, f16)),
+        # the chunked reference rounds through optimization barriers (reference/_common.py)
+        pytest.param(_chunk_qat, (bf16,), marks=SLOW),
+    ],
     ids=["recurrent", "chunk-qat"],
 )
 def test_gpu_reference_budget_matches_host(ref, dtypes):
     """The 2x budgets (error of the reference run in bf16/f16 against it in f32) of the GPU
-    references (:func:`gdn_jax.testing.reference_jit`) are the host CPU's to within 15 %, for
-    every output: the GPU suite's budgets are those of references that round where they say."""
+    references (:func:`gdn_jax.testing.reference_jit`) are the host CPU's (the same compile
+    options) to within 15 %, for every output: the GPU suite's budgets are those of references
+    that round where they say, as the interpreter tests' eager references do. (XLA's default
+    excess precision moves them on both backends: by 7-22 % for bf16 dq, dk on the CPU.)"""
     x, cu, cts = _case(3, 1, 256, 2, 4, 128, 128, [0, 100, 100, 256])
     cpu = jax.devices("cpu")[0]
 
     def host(dtype):
-        f = jax.jit(lambda x, cu, cts: loss_and_grads(ref, "gdn", x, cu, dtype, cts, jit=False))
+        f = lambda x, cu, cts: loss_and_grads(ref, "gdn", x, cu, dtype, cts, jit=False)  # noqa: E731
+        f = reference_jit(f)
         with jax.default_device(cpu):
             return f(*jax.device_put((x, cu, cts), cpu))
 
