@@ -6,10 +6,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    # pytest -n N on the GPU: the workers share it (the GPU tests spend most of their time in
-    # their host-CPU references), so none may preallocate 75 % of its memory. Each allocates and
-    # frees on demand instead: with a fixed share of 0.9 / N, six workers' 8-16 GiB cases run
-    # out of memory, while their peaks rarely coincide.
+    # pytest -n N on the GPU: the workers share it (most of their time is compiling on the host),
+    # so none may preallocate 75 % of its memory. Each allocates and frees on demand instead: with
+    # a fixed share of 0.9 / N, six workers' 8-16 GiB cases run out of memory, while their peaks
+    # rarely coincide.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 
