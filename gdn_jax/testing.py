@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["rel_rms", "check_2x", "reference_device", "random_inputs", "upcast"]
+__all__ = ["rel_rms", "check_2x", "reference_jit", "random_inputs", "upcast"]
 
 
 def rel_rms(x, ref) -> float:
@@ -53,16 +53,32 @@ def check_2x(names, got, ref_lo, ref32, *, floor: float = 1e-5, checked=None) ->
     return line
 
 
-def reference_device():
-    """Where GPU tests run their references: the host CPU when the default backend is a GPU.
+def reference_jit(fn, **jit_kwargs):
+    """``jax.jit(fn)`` for a reference run on the default device (the GPU in GPU tests).
 
-    Under its default ``--xla_allow_excess_precision=true`` XLA:GPU may keep a fusion's bf16/f16
-    intermediates in f32 and drop ``f32 -> narrow -> f32`` convert chains, so a reference "run in
-    bf16/f16" is partly f32 there and the 2x budget shrinks (on the H200, f16 reference errors
-    of tests/pallas/test_gdn_pallas.py come out 35-45 % below XLA:CPU's). XLA:CPU rounds where
-    the reference says. None (the default device) elsewhere.
+    ``fn`` is traced with f32 matmuls at HIGHEST precision (the GPU's default f32 matmul is TF32)
+    and compiled with ``xla_allow_excess_precision=False``: under XLA:GPU's default (true) a
+    fusion may keep bf16/f16 intermediates in f32 and drop ``f32 -> narrow -> f32`` convert
+    chains, so a reference "run in bf16/f16" would be partly f32 and the 2x budget would shrink
+    (by 35-45 % for the f16 GDN recurrence on an H200). With the flag off, XLA rounds where the
+    reference says, as XLA:CPU does (``tests/pallas/test_gdn_pallas.py::
+    test_gpu_reference_budget_matches_host`` checks the budgets against the host's).
+
+    Args:
+      fn: the function to compile; ``jit_kwargs`` go to :func:`jax.jit`.
+    Returns:
+      The jitted function.
     """
-    return jax.devices("cpu")[0] if jax.default_backend() == "gpu" else None
+
+    def traced(*args, **kwargs):
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kwargs)
+
+    opts = dict(jit_kwargs.pop("compiler_options", None) or {})
+    opts["xla_allow_excess_precision"] = False
+    if jax.default_backend() == "gpu":
+        opts["xla_gpu_autotune_level"] = 0  # a reference's speed does not matter; its compile does
+    return jax.jit(traced, compiler_options=opts, **jit_kwargs)
 
 
 def upcast(tree):

@@ -1,15 +1,18 @@
-"""Case builders for the channel-gated variants (GDN2, KDA): inputs, cotangents, every gradient in
-one pass, and the 2x tolerance rule (:func:`gdn_jax.testing.check_2x`). Ops and references come from
-:mod:`tests.gdn_cases`."""
+"""Case builders for the op tests of every variant (GDN, KDA, GDN2): inputs, cotangents, every
+gradient in one compiled pass (cached per case shape), and the 2x tolerance rule
+(:func:`gdn_jax.testing.check_2x`). Ops and references come from :mod:`tests.gdn_cases`."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from gdn_cases import OPS, RECURRENT, positional
 
-from gdn_jax.testing import check_2x, random_inputs
+from gdn_jax.testing import check_2x, random_inputs, reference_jit
+from pallas_kernels import _compat as pk
 
 # names of loss_and_grads' outputs: o, final state, then d(positional args), dh0
 NAMES = {
@@ -35,8 +38,10 @@ def channel_case(seed, variant, B, T, H, HV, K, V, cu=None, gate_scale=1.0):
     return x, (None if cu is None else jnp.asarray(cu, jnp.int32)), cts
 
 
+@functools.cache
 def pallas_op(variant):
-    """The public op with ``implementation="pallas"``."""
+    """The public op with ``implementation="pallas"`` (one function per variant, so that jitted
+    programs built on it are cached)."""
 
     def fn(*args, **kw):
         return OPS[variant](*args, implementation="pallas", **kw)
@@ -44,11 +49,7 @@ def pallas_op(variant):
     return fn
 
 
-def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, **kw):
-    """(o, final state, *grads of Σ o·do + Σ final·dfinal w.r.t. the positional args and h0),
-    with q, k, v cast to ``dtype``; gates stay f32. ``kw`` go to ``fn`` (default l2norm on)."""
-    kw = dict(dict(use_qk_l2norm=True), **kw)
-
+def _loss_and_grads(fn, variant, dtype, kw, x, cu, cts):
     # cotangents and cu_seqlens are arguments, not closure constants: XLA would constant-fold
     # transposes of large constants (slow compiles)
     def loss(args, h0, cts, cu):
@@ -59,19 +60,41 @@ def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, **kw):
     args = positional(x, variant)
     args = tuple(a.astype(dtype) for a in args[:3]) + tuple(args[3:])
     f = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    if jit:
-        f = jax.jit(f)
     (_, (o, s)), (dargs, dh0) = f(args, x["initial_state"], cts, cu)
     return (o, s, *dargs, dh0)
+
+
+@functools.cache
+def _program(fn, variant, dtype, kw, reference, mode):
+    """One compiled fwd+bwd per (fn, variant, io dtype, kwargs, kernel mode) and input shapes:
+    every test of a process with the same case shapes reuses it."""
+    del mode  # a key only: kernels traced under another execution mode are another program
+    run = functools.partial(_loss_and_grads, fn, variant, dtype, dict(kw))
+    return reference_jit(run) if reference else jax.jit(run)
+
+
+def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, reference=False, **kw):
+    """(o, final state, *grads of Σ o·do + Σ final·dfinal w.r.t. the positional args and h0),
+    with q, k, v cast to ``dtype``; gates stay f32. ``kw`` go to ``fn`` (default l2norm on).
+
+    ``jit``: run the cached compiled program (:func:`gdn_jax.testing.reference_jit`'s when
+    ``reference``); otherwise eagerly (the interpreter tests)."""
+    kw = dict(dict(use_qk_l2norm=True), **kw)
+    dtype = jnp.dtype(dtype)
+    if not jit:
+        return _loss_and_grads(fn, variant, dtype, kw, x, cu, cts)
+    key = tuple(sorted(kw.items()))
+    return _program(fn, variant, dtype, key, reference, pk.execution_mode())(x, cu, cts)
 
 
 def check_channel_2x(variant, fn, x, cu, cts, dtype, *, floor=1e-5, names=None, jit=True):
     """:func:`gdn_jax.testing.check_2x` on every output and gradient of ``fn`` against the f32
     recurrence, with the recurrence run in ``dtype`` as the budget; ``names`` (default all)
     selects the outputs that are asserted, the others are only reported. Returns fn's results and
-    prints the relative RMS errors."""
-    ref32 = loss_and_grads(RECURRENT[variant], variant, x, cu, jnp.float32, cts, jit=jit)
-    ref_lo = loss_and_grads(RECURRENT[variant], variant, x, cu, dtype, cts, jit=jit)
+    prints the relative RMS errors. Works for all three variants (``NAMES``)."""
+    ref = functools.partial(loss_and_grads, RECURRENT[variant], variant, x, cu, jit=jit)
+    ref32 = ref(jnp.float32, cts, reference=True)
+    ref_lo = ref(dtype, cts, reference=True)
     got = loss_and_grads(fn, variant, x, cu, dtype, cts, jit=jit)
     checked = None if names is None else (lambda name: name in names)
     print(variant, check_2x(NAMES[variant], got, ref_lo, ref32, floor=floor, checked=checked))

@@ -3,12 +3,15 @@ and the loss used to check every gradient under random cotangents."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import gdn_jax
 from gdn_jax import reference
+from gdn_jax.testing import reference_jit
 from pallas_kernels import _compat as pk
 
 OPS = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}
@@ -54,3 +57,17 @@ def run_interpreted(fn, *args, **kwargs):
             return fn(*args, **kwargs)
         finally:
             pk.reset_interpreter()
+
+
+def cached_jit(fn, *, reference: bool = False, **kw):
+    """``jax.jit(functools.partial(fn, **kw))`` (:func:`gdn_jax.testing.reference_jit`'s when
+    ``reference``), one per (fn, kw, kernel execution mode): the tests of a process that share
+    input shapes share its compiled programs. ``kw`` values must be hashable."""
+    return _cached_jit(fn, reference, tuple(sorted(kw.items())), pk.execution_mode())
+
+
+@functools.cache
+def _cached_jit(fn, reference, kw, mode):
+    del mode  # a key only: kernels traced under another execution mode are another program
+    f = functools.partial(fn, **dict(kw))
+    return reference_jit(f) if reference else jax.jit(f)

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gdn_cases import run_interpreted
+from gdn_cases import cached_jit, run_interpreted
 from test_channel_ksplit_dqkw import _shapes as dqkw_shapes
-from test_channel_pallas_bwd import _kernel_refs
+from test_channel_pallas_bwd import _kernel_refs, kernel_refs
 
 from gdn_jax.ops import _channel_pallas as cpm
 from gdn_jax.testing import rel_rms
@@ -157,12 +157,13 @@ def _compare(tag, got: dict, ref: dict, tol: float):
 
 def check_dqkw(x, out, *, sliced, k_split, tol=TOL, jit=True):
     scale = x["q"].shape[-1] ** -0.5
-    run = functools.partial(_dqkw, scale=scale, sliced=sliced, k_split=k_split)
-    got = (jax.jit(run) if jit else run)(x, out)
+    run = (cached_jit if jit else functools.partial)(
+        _dqkw, scale=scale, sliced=sliced, k_split=k_split
+    )
+    got = run(x, out)
     HV, H = x["v"].shape[2], x["q"].shape[2]
     assert got["dq"].dtype == (f16 if HV == H else f32) and got["dw"].dtype == f16
-    refs = functools.partial(_kernel_refs, scale=scale)
-    ref = (jax.jit(refs) if jit else refs)(x, out)
+    ref = kernel_refs(x, out, scale, jit=jit)
     _compare(f"dqkw {sliced=} {k_split=}", got, ref, tol)
 
 
@@ -172,11 +173,9 @@ def wy_names(scalar):
 
 def check_wy(x, out, *, sliced, k_split, tol=TOL, jit=True):
     scale = x["q"].shape[-1] ** -0.5
-    run = functools.partial(_wy, sliced=sliced, k_split=k_split)
-    got = (jax.jit(run) if jit else run)(x, out)
+    got = (cached_jit if jit else functools.partial)(_wy, sliced=sliced, k_split=k_split)(x, out)
     assert got[1].dtype == f16
-    refs = functools.partial(_kernel_refs, scale=scale)
-    ref = (jax.jit(refs) if jit else refs)(x, out)
+    ref = kernel_refs(x, out, scale, jit=jit)
     names = wy_names(x["w"] is None)
     _compare(f"wy {sliced=} {k_split=}", dict(zip(names, got, strict=True)), ref, tol)
 

@@ -12,9 +12,10 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from channel_cases import NAMES, channel_case, check_channel_2x, pallas_op
-from gdn_cases import RECURRENT, positional, run_interpreted
+from channel_cases import NAMES, channel_case, check_channel_2x, loss_and_grads, pallas_op
+from gdn_cases import RECURRENT, run_interpreted
 
 import gdn_jax
 from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS, channel_pallas
@@ -188,53 +189,79 @@ def test_residual_named_for_remat_policies():
 # ------------------------------------------------------------------------------------------------
 # GPU (H200): realistic shapes, every gradient, 2x rule, reductions, extreme gates, determinism
 
-GPU_CASES = [
-    # B, T, H, HV, cu_seqlens (cheapest first)
-    (2, 1000, 4, 8, None),  # odd T, GVA
-    (2, 2048, 16, 32, None),  # HV 32
-    (1, 4096, 16, 16, [0, 1000, 1000, 2500, 4096]),  # packed, one empty, states
-    (1, 8192, 16, 16, None),
+SLOW = pytest.mark.slow
+f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
+# B, T, H, HV, cu_seqlens; K, V. Each shape is compiled once per process (channel_cases caches the
+# programs) and serves several tests. DENSE: 16 chunks, the last one partial, GVA, two batch rows
+# with initial/final states, K = V = 128; PACKED: packed sequences with an empty one and states
+# (every sequence ends in a partial chunk), 16 heads, K != V (GDN2 K 64 / V 128, KDA K 128 / V 64:
+# at K = 128 the K-split backward forms with V = 64, at K = 64 the phased dq/dk/dw body and the
+# unsplit WY kernel).
+DENSE = (2, 1000, 4, 8, None)
+PACKED = (1, 4096, 16, 16, [0, 1000, 1000, 2500, 4096])
+K_NE_V = {"gdn2": (64, 128), "kda": (128, 64)}
+
+
+def _kv(variant, shape):
+    return K_NE_V[variant] if shape == "packed" else (128, 128)
+
+
+def _dense(seed, variant):
+    return channel_case(seed, variant, *DENSE[:4], 128, 128, DENSE[4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [("dense", bf16), ("packed", bf16), ("packed", f16)],
+    ids=["dense-bf16", "packed-bf16", "packed-f16"],
+)
+@pytest.mark.parametrize("variant", ["gdn2", "kda"])
+def test_gpu_matches_reference(variant, shape, dtype):
+    """Forward and every gradient (2x rule); f16: the hi/lo factored operands and the scaled f16
+    state in every kernel (f16 with GVA and K = V = 128: the per-kernel f16 tests and the slow
+    dense-f16 cases)."""
+    B, T, H, HV, cu = DENSE if shape == "dense" else PACKED
+    x, cu, cts = channel_case(7, variant, B, T, H, HV, *_kv(variant, shape), cu)
+    check_channel_2x(variant, pallas_op(variant), x, cu, cts, dtype)
+
+
+# heavier shapes on the same code paths (-m "gpu and slow")
+SLOW_CASES = [
+    # variant, B, T, H, HV, cu_seqlens, K, V, dtype
+    ("gdn2", 2, 2048, 16, 32, None, 128, 128, bf16),
+    ("kda", 2, 2048, 16, 32, None, 128, 128, bf16),
+    ("gdn2", 1, 8192, 16, 16, None, 128, 128, bf16),
+    ("kda", 1, 8192, 16, 16, None, 128, 128, bf16),
+    ("gdn2", *PACKED, 128, 128, bf16),
+    ("kda", *PACKED, 128, 128, bf16),
+    ("gdn2", 2, 2048, 4, 8, None, 64, 128, bf16),
+    ("kda", 2, 2048, 4, 8, None, 128, 64, bf16),
+    ("gdn2", 2, 2048, 4, 8, None, 64, 128, f16),
+    ("kda", 2, 2048, 4, 8, None, 128, 64, f16),
+    ("gdn2", *DENSE, 64, 64, f16),
+    ("kda", *DENSE, 64, 64, f16),
+    ("gdn2", *DENSE, 128, 128, f16),
+    ("kda", *DENSE, 128, 128, f16),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gdn2", "kda"])
-@pytest.mark.parametrize("B,T,H,HV,cu", GPU_CASES)
-def test_gpu_matches_reference(variant, B, T, H, HV, cu):
-    x, cu, cts = channel_case(7, variant, B, T, H, HV, 128, 128, cu)
-    check_channel_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant,K,V", [("gdn2", 64, 128), ("kda", 128, 64)])
-def test_gpu_k_ne_v(variant, K, V):
-    x, cu, cts = channel_case(9, variant, 2, 2048, 4, 8, K, V, None)
-    check_channel_2x(variant, pallas_op(variant), x, cu, cts, jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant,K,V", [("gdn2", 64, 128), ("kda", 128, 64)])
-def test_gpu_f16_k_ne_v(variant, K, V):
-    x, cu, cts = channel_case(9, variant, 2, 2048, 4, 8, K, V, None)
-    check_channel_2x(variant, pallas_op(variant), x, cu, cts, jnp.float16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gdn2", "kda"])
-@pytest.mark.parametrize("K", [64, 128])
-def test_gpu_f16_matches_reference(variant, K):
-    """f16 io at a realistic shape, forward and every gradient (2x rule against f16)."""
-    x, cu, cts = channel_case(11, variant, 2, 1000, 4, 8, K, K, None)
-    check_channel_2x(variant, pallas_op(variant), x, cu, cts, jnp.float16)
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,B,T,H,HV,cu,K,V,dtype", SLOW_CASES)
+def test_gpu_matches_reference_large(variant, B, T, H, HV, cu, K, V, dtype):
+    x, cu, cts = channel_case(7, variant, B, T, H, HV, K, V, cu)
+    check_channel_2x(variant, pallas_op(variant), x, cu, cts, dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gdn2", "kda"])
 @pytest.mark.parametrize("g_val", [0.0, -5.0])
 def test_gpu_f16_extreme_gates(variant, g_val):
-    x, cu, cts = channel_case(12, variant, 1, 2048, 4, 8, 128, 128)
+    """On the PACKED f16 programs."""
+    x, cu, cts = channel_case(12, variant, *PACKED[:4], *K_NE_V[variant], PACKED[4])
     x["g"] = jnp.full_like(x["g"], g_val)
-    got = check_channel_2x(variant, pallas_op(variant), x, cu, cts, jnp.float16)
+    got = check_channel_2x(variant, pallas_op(variant), x, cu, cts, f16)
     for name, a in zip(NAMES[variant], got, strict=True):
         assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), name
 
@@ -245,16 +272,27 @@ def test_gpu_f16_extreme_gates(variant, g_val):
     "g_val,gate_val", [(0.0, 0.0), (0.0, 1.0), (-5.0, 1.0), (-5.0, 0.0), (-20.0, 1.0)]
 )
 def test_gpu_extreme_gates(variant, g_val, gate_val):
-    x, cu, cts = channel_case(5, variant, 1, 2048, 4, 8, 128, 128)
+    x, cu, cts = _dense(5, variant)
     x["g"] = jnp.full_like(x["g"], g_val)
     for n in ("beta", "b", "w"):
         if n in x:
             x[n] = jnp.full_like(x[n], gate_val)
     got = check_channel_2x(
-        variant, pallas_op(variant), x, cu, cts, jnp.bfloat16, names=("o", "final_state")
+        variant, pallas_op(variant), x, cu, cts, bf16, names=("o", "final_state")
     )
     for name, a in zip(NAMES[variant], got, strict=True):
         assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_deterministic(variant):
+    """Two runs of the DENSE fwd+bwd program (GVA, states) are bitwise equal."""
+    x, cu, cts = _dense(11, variant)
+    a = loss_and_grads(pallas_op(variant), variant, x, cu, bf16, cts)
+    b = loss_and_grads(pallas_op(variant), variant, x, cu, bf16, cts)
+    for name, u, w in zip(NAMES[variant], a, b, strict=True):
+        assert np.array_equal(np.asarray(u), np.asarray(w)), name
 
 
 def _reduction_check(pairs):
@@ -271,30 +309,52 @@ def _reduction_check(pairs):
         assert d <= 4 * budget, f"{name}: |A-B| {d:.2e} > 4x ref {budget:.2e}"
 
 
+def _forward(variant, x, cu, cts, dtype, reference=False):
+    """o and the final state of the cached DENSE fwd+bwd program of ``variant``."""
+    fn = RECURRENT[variant] if reference else pallas_op(variant)
+    return loss_and_grads(fn, variant, x, cu, dtype, cts, reference=reference)[:2]
+
+
 @pytest.mark.gpu
 def test_gpu_gdn2_with_equal_gates_is_kda():
-    x, cu, cts = channel_case(9, "kda", 1, 2048, 4, 8, 128, 128)
-    q, k, v, g, beta = positional(x, "kda")
-    q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
-    kw = dict(initial_state=x["initial_state"], output_final_state=True, use_qk_l2norm=True)
-    bk = jnp.broadcast_to(beta[..., None], g.shape)
-    bv = jnp.broadcast_to(beta[..., None], v.shape).astype(jnp.float32)
-    o2, s2 = pallas_op("gdn2")(q, k, v, g, bk, bv, **kw)
-    ok, sk = pallas_op("kda")(q, k, v, g, beta, **kw)
-    ref, rs = RECURRENT["kda"](*positional(x, "kda"), **kw)
-    ref_lo, rs_lo = RECURRENT["kda"](q, k, v, g, beta, **kw)
+    x, cu, cts = _dense(9, "kda")
+    x2 = dict(x)
+    del x2["beta"]
+    x2["b"] = jnp.broadcast_to(x["beta"][..., None], x["g"].shape)
+    x2["w"] = jnp.broadcast_to(x["beta"][..., None], x["v"].shape).astype(f32)
+    o2, s2 = _forward("gdn2", x2, cu, cts, bf16)
+    ok, sk = _forward("kda", x, cu, cts, bf16)
+    ref, rs = _forward("kda", x, cu, cts, f32, reference=True)
+    ref_lo, rs_lo = _forward("kda", x, cu, cts, bf16, reference=True)
     _reduction_check([("o", o2, ok, ref, ref_lo), ("final_state", s2, sk, rs, rs_lo)])
 
 
 @pytest.mark.gpu
 def test_gpu_kda_with_scalar_gate_is_gdn():
-    x = random_inputs(4, B=1, T=2048, H=4, HV=8, K=128, V=128, variant="gdn")
-    q, k, v = (x[n].astype(jnp.bfloat16) for n in ("q", "k", "v"))
-    kw = dict(initial_state=0.1 * x["initial_state"], output_final_state=True, use_qk_l2norm=True)
-    gk = jnp.broadcast_to(x["g"][..., None], x["g"].shape + (q.shape[-1],))
-    ok, sk = pallas_op("kda")(q, k, v, gk, x["beta"], **kw)
-    og, sg = gdn_jax.gated_delta_rule(q, k, v, x["g"], x["beta"], implementation="pallas", **kw)
-    args32 = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    ref, rs = RECURRENT["gdn"](*args32, **kw)
-    ref_lo, rs_lo = RECURRENT["gdn"](q, k, v, x["g"], x["beta"], **kw)
+    x, cu, cts = channel_case(4, "gdn", *DENSE[:4], 128, 128, DENSE[4])
+    xk = dict(x)
+    xk["g"] = jnp.broadcast_to(x["g"][..., None], x["g"].shape + (x["q"].shape[-1],))
+    ok, sk = _forward("kda", xk, cu, cts, bf16)
+    og, sg = _forward("gdn", x, cu, cts, bf16)
+    ref, rs = _forward("gdn", x, cu, cts, f32, reference=True)
+    ref_lo, rs_lo = _forward("gdn", x, cu, cts, bf16, reference=True)
     _reduction_check([("o", ok, og, ref, ref_lo), ("final_state", sk, sg, rs, rs_lo)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gdn", "kda", "gdn2"])
+@pytest.mark.parametrize("case", ["one_token", "whole_chunk"])
+def test_gpu_reset_gates(variant, case):
+    """Full-reset gates (g = -inf) through the kernels give the recurrence's answer.
+
+    The op clamps log-decays to [LOG_DECAY_FLOOR, 0] before it chooses an implementation
+    (docs/ops.md), so the kernels see finite gates whose decay factor is exactly 0 in f32: every
+    output and gradient keeps the 2x rule against the f32 recurrence run on the raw -inf gates,
+    and d g is 0 where g = -inf. On the DENSE programs (GDN's also serve the reduction test)."""
+    x, cu, cts = channel_case(0, variant, *DENSE[:4], 128, 128, DENSE[4])
+    g = x["g"]
+    x["g"] = g.at[:, 100].set(-jnp.inf) if case == "one_token" else g.at[:, 64:128].set(-jnp.inf)
+    got = check_channel_2x(variant, pallas_op(variant), x, cu, cts, bf16)
+    assert all(bool(jnp.all(jnp.isfinite(a))) for a in got)
+    dg = got[NAMES[variant].index("dg")]
+    np.testing.assert_array_equal(np.asarray(dg)[np.isneginf(np.asarray(x["g"]))], 0.0)

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from channel_cases import NAMES, channel_case, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT, run_interpreted
+from gdn_cases import RECURRENT, cached_jit, run_interpreted
 
 from gdn_jax.ops import _channel_pallas as cpm
 from gdn_jax.ops._channel_pallas_bwd import channel_backward_pallas
-from gdn_jax.testing import check_2x, rel_rms
+from gdn_jax.testing import check_2x, reference_jit, rel_rms
 from pallas_kernels import _compat as pk
 
 BWD_KERNELS = ("chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy", "chan_intra", "chan_chunk_h")
@@ -57,14 +57,7 @@ def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0):
     return cfg, (q, k, v, G, b, w, h0), (do, dht)
 
 
-def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False, k_split=True):
-    """Driver vs the xla core's VJP: error(driver, f32 core) <= 2 error(bf16 core, f32 core) +
-    floor. The inputs are already bf16 here, so the bf16 core differs from the f32 one only where
-    it rounds operands (its state-gradient loop is f32: its dh0 error is ~1e-6); the kernels stage
-    the state gradient and dv2 through bf16 tensor-core operands (each rounding 2^-9 relative),
-    hence the floor. The op-level tests apply the strict 2x rule against the recurrent oracle."""
-    up = lambda x: None if x is None else x.astype(f32)
-
+def _core_fns(cfg, sliced, k_split):
     def xla_vjp(res, cts):  # the xla core computes in its inputs' dtype: f32 inputs, f32 core
         _, vjp = jax.vjp(lambda *a: cpm._xla_core(cfg, *a), *res)
         return vjp(cts)
@@ -75,8 +68,28 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False, k_split=Tru
             *res, products, *cts, scale=cfg.scale, sliced=sliced, k_split=k_split
         )
 
-    if jit:  # cotangents are arguments: as closure constants XLA would constant-fold them (slow)
-        xla_vjp, mine = jax.jit(xla_vjp), jax.jit(mine)
+    return xla_vjp, mine
+
+
+@functools.cache
+def _core_programs(cfg, sliced, k_split):
+    """The compiled xla core VJP (a reference) and driver, shared by every case of their shapes;
+    cotangents are arguments: as closure constants XLA would constant-fold them (slow)."""
+    xla_vjp, mine = _core_fns(cfg, sliced, k_split)
+    return reference_jit(xla_vjp), jax.jit(mine)
+
+
+def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False, k_split=True):
+    """Driver vs the xla core's VJP: error(driver, f32 core) <= 2 error(bf16 core, f32 core) +
+    floor. The inputs are already bf16 here, so the bf16 core differs from the f32 one only where
+    it rounds operands (its state-gradient loop is f32: its dh0 error is ~1e-6); the kernels stage
+    the state gradient and dv2 through bf16 tensor-core operands (each rounding 2^-9 relative),
+    hence the floor. The op-level tests apply the strict 2x rule against the recurrent oracle."""
+    up = lambda x: None if x is None else x.astype(f32)
+    if jit:
+        xla_vjp, mine = _core_programs(cfg, sliced, k_split)
+    else:
+        xla_vjp, mine = _core_fns(cfg, sliced, k_split)
     ref32 = xla_vjp(tuple(up(x) for x in res), cts)
     ref_lo = xla_vjp(res, cts)
     with pk.use_mode(cfg.mode):
@@ -85,19 +98,13 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False, k_split=Tru
     return got
 
 
-def op_grads(fn, variant, x, cu, dtype, cts, *, jit=True):
-    """:func:`channel_cases.loss_and_grads` under one jit with inputs and cotangents as arguments
-    (closure constants would be constant-folded by XLA, which takes minutes at GPU shapes)."""
-    f = lambda x, cts: loss_and_grads(fn, variant, x, cu, dtype, cts, jit=False)
-    return (jax.jit(f) if jit else f)(x, cts)
-
-
 def check_op(variant, x, cu, cts, *, floor=1e-5, jit=True):
     """2x rule of docs/design.md for every gradient of the op (bf16 io). o and the final state come
     from the forward kernels: reported here, asserted by tests/pallas/test_channel_pallas.py."""
-    ref32 = op_grads(RECURRENT[variant], variant, x, cu, f32, cts, jit=jit)
-    ref_lo = op_grads(RECURRENT[variant], variant, x, cu, jnp.bfloat16, cts, jit=jit)
-    got = op_grads(pallas_op(variant), variant, x, cu, jnp.bfloat16, cts, jit=jit)
+    ref = functools.partial(loss_and_grads, RECURRENT[variant], variant, x, cu, jit=jit)
+    ref32 = ref(f32, cts, reference=True)
+    ref_lo = ref(jnp.bfloat16, cts, reference=True)
+    got = loss_and_grads(pallas_op(variant), variant, x, cu, jnp.bfloat16, cts, jit=jit)
     report = check_2x(
         NAMES[variant], got, ref_lo, ref32, floor=floor, checked=lambda n: n.startswith("d")
     )
@@ -140,7 +147,7 @@ def check_one_lane(variant, T, H, HV, cu, K, seed=0, jit=True):
     cu = jnp.asarray(cu, jnp.int32)
     do = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x["v"].shape), f32)
 
-    def run(fn, dt):
+    def run(fn, dt, reference=False):
         def loss(args, do):
             o, s = fn(*args, cu_seqlens=cu, use_qk_l2norm=True)
             assert s is None
@@ -149,11 +156,13 @@ def check_one_lane(variant, T, H, HV, cu, K, seed=0, jit=True):
         args = positional(x, variant)
         args = tuple(a.astype(dt) for a in args[:3]) + tuple(args[3:])
         g = jax.value_and_grad(loss, has_aux=True)  # inputs and do as arguments (no constants)
-        (_, o), grads = (jax.jit(g) if jit else g)(args, do)
+        if jit:
+            g = reference_jit(g) if reference else jax.jit(g)
+        (_, o), grads = g(args, do)
         return (o, *grads)
 
-    ref32 = run(RECURRENT[variant], f32)
-    ref_lo = run(RECURRENT[variant], jnp.bfloat16)
+    ref32 = run(RECURRENT[variant], f32, reference=True)
+    ref_lo = run(RECURRENT[variant], jnp.bfloat16, reference=True)
     got = run(pallas_op(variant), jnp.bfloat16)
     names = [n for n in NAMES[variant] if n not in ("final_state", "dh0")]
     print(variant, "one lane", check_2x(names, got, ref_lo, ref32))
@@ -204,28 +213,44 @@ def test_lowers_for_cuda(variant, K, V):
 # GPU (H200): realistic shapes, every gradient, 2x rule, determinism, extreme gates
 
 
+SLOW = pytest.mark.slow
+# the core cases' shape (N, T, H, HV, K): 32 chunks, GVA; one compile per form and variant serves
+# the random-gate and the extreme-gate cases
+CORE = (1, 2048, 4, 8, 128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "sliced,k_split",
-    [(False, True), (False, False), (True, False)],
+    [
+        (False, True),  # the op's form
+        # the other forms' kernels: test_gpu_kernels (whole, sliced), test_channel_ksplit_*.py
+        pytest.param(False, False, marks=SLOW),
+        pytest.param(True, False, marks=SLOW),
+    ],
     ids=["ksplit", "whole", "sliced"],
 )
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 def test_gpu_core_grads(variant, sliced, k_split):
-    cfg, res, cts = core_case(3, variant, 1, 2048, 4, 8, 128)
+    cfg, res, cts = core_case(3, variant, *CORE)
     check_core(cfg, res, cts, sliced=sliced, k_split=k_split)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k_split", [False, True], ids=["whole", "ksplit"])
+@pytest.mark.parametrize(
+    "k_split", [pytest.param(False, marks=SLOW), True], ids=["whole", "ksplit"]
+)
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 @pytest.mark.parametrize("g_val", [0.0, -5.0])
 def test_gpu_core_extreme_gates(variant, g_val, k_split):
     """Per-token log-decay −5 on every channel over whole chunks, and no decay at all."""
-    cfg, res, cts = core_case(4, variant, 1, 4096, 16, 16, 128, g_val=g_val)
+    cfg, res, cts = core_case(4, variant, *CORE, g_val=g_val)
     check_core(cfg, res, cts, k_split=k_split)
 
 
+# Every gradient of the op at heavier shapes (-m "gpu and slow"). The same code paths, every
+# gradient with the 2x rule, are checked by test_channel_pallas.py::test_gpu_matches_reference
+# (dense: B 2, GVA, states; packed: an empty sequence, states).
 GPU_CASES = [
     # variant, B, T, H, HV, cu_seqlens
     ("kda", 2, 4096, 16, 32, None),
@@ -236,6 +261,7 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,B,T,H,HV,cu", GPU_CASES)
 def test_gpu_op_matches_reference(variant, B, T, H, HV, cu):
     x, cu, cts = channel_case(7, variant, B, T, H, HV, 128, 128, cu)
@@ -243,24 +269,18 @@ def test_gpu_op_matches_reference(variant, B, T, H, HV, cu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "T,H,HV,cu,K",
+    [
+        # an empty and a one-token sequence, GVA; K = V = 64 (the op's K = V = 128 cases are
+        # test_channel_pallas.py's)
+        (4096, 8, 16, [0, 1000, 1000, 2500, 2501, 4096], 64),
+        pytest.param(8192, 16, 32, [0, 1000, 1000, 2500, 2501, 8192], 128, marks=SLOW),
+    ],
+)
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_packed_one_lane(variant):
-    cu = [0, 1000, 1000, 2500, 2501, 8192]  # with an empty and a one-token sequence
-    check_one_lane(variant, 8192, 16, 32, cu, 128, seed=3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_deterministic(variant):
-    x, cu, cts = channel_case(11, variant, 2, 4096, 16, 16, 128, 128)
-    f = jax.jit(
-        lambda x, cts: loss_and_grads(
-            pallas_op(variant), variant, x, cu, jnp.bfloat16, cts, jit=False
-        )
-    )
-    a, b = f(x, cts), f(x, cts)
-    for name, u, w in zip(NAMES[variant], a, b, strict=True):
-        assert np.array_equal(np.asarray(u), np.asarray(w)), name
+def test_gpu_packed_one_lane(variant, T, H, HV, cu, K):
+    check_one_lane(variant, T, H, HV, cu, K, seed=3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,6 +324,12 @@ def _kernel_inputs(seed, variant, N, T, H, HV, K):
     )
     return dict(cfg=cfg, q=q, k=k, v=v, G=G, b=b, w=w, bk=bk, gr=gr, gl=gl, qg=qg, kg=kg, wk=wk,
                 aqk=aqk, A=A, h=h, vn=vn, do=do.astype(q.dtype), dht=dht)  # fmt: skip
+
+
+@functools.cache
+def gpu_kernel_inputs(variant, H=4, HV=8):
+    """The GPU per-kernel tests' inputs (T 1024, K 128), computed once per process."""
+    return _kernel_inputs(2, variant, 1, 1024, H, HV, 128)
 
 
 def _rep(x, HV):  # GVA: q/k heads repeated to the value heads
@@ -405,13 +431,21 @@ def _kernel_refs(x, out, scale):
     return ref
 
 
+def kernel_refs(x, out, scale, *, jit=True):
+    """:func:`_kernel_refs` on the kernel outputs it reads (dh, dv2 hi/lo, dw), compiled as a
+    reference once per scale and input shapes (shared by the per-kernel tests of a process)."""
+    out = {name: out[name] for name in ("dh", "dvh", "dvl", "dwk")}
+    if not jit:
+        return _kernel_refs(x, out, scale)
+    return cached_jit(_kernel_refs, reference=True, scale=scale)(x, out)
+
+
 def check_kernels(x, *, tol=2e-2, sliced=False, jit=True):
     """Runs bwd_dh, bwd_dqkw, bwd_wy on ``x`` and compares each output with its formula."""
     x = dict(x)
     scale = x.pop("cfg").scale
     out = _kernel_outputs(x, scale, sliced)
-    refs = functools.partial(_kernel_refs, scale=scale)
-    ref = (jax.jit(refs) if jit else refs)(x, out)
+    ref = kernel_refs(x, out, scale, jit=jit)
     wy = out["wy"]
     got = dict(dh=out["dh"], dv2=out["dvh"].astype(f32) + out["dvl"].astype(f32), dh0=out["dh0"],
                dq=out["dq"], dk=out["dk"], dw=out["dwk"])  # fmt: skip
@@ -442,5 +476,38 @@ def test_interpret_kernels(variant):
 @pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 def test_gpu_kernels(variant, sliced):
-    x = _kernel_inputs(2, variant, 1, 1024, 4, 8, 128)
+    x = gpu_kernel_inputs(variant)
     check_kernels(x, sliced=sliced)
+
+
+# The split forms' GPU checks (their modules hold the checks and the CPU tests), here so that they
+# reuse this module's per-kernel inputs, compiled kernels and references in one worker.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("variant,H,HV", [("kda", 4, 8), ("gdn2", 8, 8)])
+def test_gpu_ksplit_dqkw(variant, H, HV, sliced):
+    """K-split dq/dk/dw against the one-CTA form and the formulas, with and without GVA."""
+    from test_channel_ksplit_dqkw import check_ksplit
+
+    check_ksplit(gpu_kernel_inputs(variant, H, HV), sliced=sliced, tol_split=1e-2, tol_ref=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_ksplit_wy(variant, sliced):
+    """K-split WY backward against the unsplit kernel and the formulas (tolerance 2e-2)."""
+    from test_channel_ksplit_wy import check_split
+
+    check_split(gpu_kernel_inputs(variant), sliced=sliced, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_gpu_intra_split(variant):
+    """The split intra kernel against the one-CTA kernel and the formulas, with GVA."""
+    from test_channel_intra_split import _inputs, check_split
+
+    check_split(_inputs(2, variant, 1024, 4, 8, 128), tol_split=1e-2, tol_ref=2e-2)

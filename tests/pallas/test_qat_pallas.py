@@ -21,7 +21,7 @@ import pytest
 import gdn_jax
 from gdn_jax import qat
 from gdn_jax.reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from gdn_jax.testing import check_2x, random_inputs, reference_device
+from gdn_jax.testing import check_2x, random_inputs, reference_jit
 from pallas_kernels import _compat as pk
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels.gdn.fake_quant import fake_quant_e4m3
@@ -136,16 +136,13 @@ def _loss_and_grads(fn, x, dtype, cts, cfg):
 def _check_2x(x, cts, cfg, ref_fn, dtype=jnp.bfloat16, floor=1e-5):
     """pallas (QAT on) vs the f32 fake-quantised ``ref_fn``, budget = ``ref_fn`` in ``dtype``."""
 
-    def run(fn, dt, device=None):
+    def run(fn, dt, reference=False):
         # one compiled program per run (eager op-by-op dispatch costs minutes on the GPU)
-        f = jax.jit(lambda x, cts: _loss_and_grads(fn, x, dt, cts, cfg))
-        if device is None:
-            return f(x, cts)
-        with jax.default_device(device):
-            return f(jax.device_put(x, device), jax.device_put(cts, device))
+        f = lambda x, cts: _loss_and_grads(fn, x, dt, cts, cfg)  # noqa: E731
+        return (reference_jit(f) if reference else jax.jit(f))(x, cts)
 
-    ref32 = run(ref_fn, jnp.float32, reference_device())
-    ref_lo = run(ref_fn, dtype, reference_device())
+    ref32 = run(ref_fn, jnp.float32, reference=True)
+    ref_lo = run(ref_fn, dtype, reference=True)
     got = run(_pallas, dtype)
     print(check_2x(NAMES, got, ref_lo, ref32, floor=floor))
     return got, ref32
@@ -310,7 +307,12 @@ def test_gpu_pallas_matches_xla_with_qat_f16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("granularity", ["column", "matrix"])
+@pytest.mark.parametrize(
+    "granularity",
+    # matrix: the kernels' matrix state scales are checked (both sites) by
+    # test_gpu_pallas_matches_xla_with_qat[matrix_tile]; here in the slow set
+    ["column", pytest.param("matrix", marks=pytest.mark.slow)],
+)
 def test_gpu_state_qat_matches_quantised_recurrence(granularity):
     """State site alone: the 2x rule against the token recurrence quantised every 64 tokens."""
     cfg = qat.QATConfig(sites=("state",), state_granularity=granularity)
