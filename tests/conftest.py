@@ -5,23 +5,22 @@ On a machine without an NVIDIA GPU (the CPU suite, as CI runs it) the tests also
 - compile fast (``FAST_COMPILE_FLAGS``): their programs are tiny, so compiling, not running,
   is most of their time. Values stay f32-exact; tests that compare compiled programs bitwise
   compile both sides with the same flags.
-- share compiled programs through a persistent compilation cache that lives for one pytest
-  process (a fresh directory, removed at exit): examples/train.py and the benchmark scripts
-  build their jitted step anew on each call, and a test that runs them twice with one
-  configuration (a checkpoint resumed, a run repeated) compiles that step once. Every program
-  is still compiled at least once per run.
+- may share compiled programs within one test module through the ``shared_compiles`` fixture:
+  a persistent compilation cache in a fresh directory, removed afterwards. examples/train.py
+  builds its jitted step anew on each call, so a test that runs it twice with one
+  configuration (a checkpoint resumed, a run repeated) compiles that step once; every program
+  is still compiled at least once per run. Not for the Pallas interpreter: its kernels call
+  back into Python, and a cached executable would call the callbacks of an earlier compile.
 - run the tests marked ``slow`` first, so that ``pytest -n 2 --dist worksteal`` (the
   ``addopts`` of pyproject.toml) starts the long tests early and the two workers finish
   together.
 """
 
-import atexit
 import glob
 import os
-import shutil
-import tempfile
 
 ON_GPU_HOST = bool(glob.glob("/dev/nvidia[0-9]*"))
+CACHE_DIR, MIN_TIME = "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs"
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -40,11 +39,26 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
-if not ON_GPU_HOST:
-    _cache_dir = tempfile.mkdtemp(prefix="gdn-jax-test-xla-cache-")
-    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", _cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+@pytest.fixture(scope="module")
+def shared_compiles(tmp_path_factory):
+    """A persistent compilation cache for the requesting module (CPU hosts; no-op on GPU)."""
+    if ON_GPU_HOST:
+        yield
+        return
+    from jax.experimental.compilation_cache import compilation_cache
+
+    saved = {k: jax.config.values[k] for k in (CACHE_DIR, MIN_TIME)}
+    jax.config.update(CACHE_DIR, str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update(MIN_TIME, 0.2)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
 
 
 def pytest_collection_modifyitems(config, items):

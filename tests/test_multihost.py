@@ -57,7 +57,8 @@ def _main(path: Path, name: str):
 
 
 @pytest.fixture(scope="module")
-def train():
+def train(shared_compiles):
+    """examples/train.py's main; the resumed run reuses the straight run's compiled step."""
     return _main(EXAMPLE, "train_example_mh")
 
 

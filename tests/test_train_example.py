@@ -25,7 +25,8 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def train():
+def train(shared_compiles):
+    """examples/train.py's main; runs of one configuration compile its step once."""
     spec = importlib.util.spec_from_file_location("train_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
