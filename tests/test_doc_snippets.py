@@ -108,6 +108,7 @@ def test_skips_have_reasons(path):
 
 
 @pytest.mark.parametrize("path", FILES)
+@pytest.mark.slow
 def test_snippets_run(path, tmp_path, monkeypatch):
     blocks = [b for b in python_blocks((ROOT / path).read_text()) if b.skip is None]
     if not blocks:

@@ -32,7 +32,10 @@ ARGS = [
     "--num-keys=16", "--num-values=16", "--eval-batches=0", "--no-progress", "--log-every=1",
     "--warmup=1", "--steps=4", "--mesh=data=4,tensor=2",
 ]  # fmt: skip
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake CPU) devices")
+pytestmark = [
+    pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake CPU) devices"),
+    pytest.mark.slow,
+]
 
 
 def _free_port() -> int:
@@ -54,7 +57,8 @@ def _main(path: Path, name: str):
 
 
 @pytest.fixture(scope="module")
-def train():
+def train(shared_compiles):
+    """examples/train.py's main; the resumed run reuses the straight run's compiled step."""
     return _main(EXAMPLE, "train_example_mh")
 
 

@@ -49,6 +49,7 @@ def test_low_precision_two_times_rule(variant, dtype):
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
+@pytest.mark.slow
 def test_packed_equals_separate(variant):
     lengths = [0, 37, 64, 0, 90]
     cu = jnp.asarray(np.cumsum([0] + lengths), jnp.int32)
@@ -73,6 +74,7 @@ def test_packed_equals_separate(variant):
 
 
 @pytest.mark.parametrize("variant", ["gdn", "gdn2"])
+@pytest.mark.slow
 def test_split_with_state_passing_equals_one_pass(variant):
     x = random_inputs(13, B=2, T=150, H=1, HV=2, K=16, V=8, variant=variant)
     args, h0 = positional(x, variant), x["initial_state"]

@@ -238,6 +238,7 @@ def _bench_sharding():
     return bench
 
 
+@pytest.mark.slow
 def test_model_modes_match_one_device():
     """benchmarks/bench_sharding.py's check (what the multi-GPU run reports): three AdamW updates
     of the hybrid LM (1 GDN layer + 1 attention layer, f32) under DP, FSDP, TP and CP on two
@@ -252,6 +253,7 @@ def test_model_modes_match_one_device():
         assert r["loss_rel_diff"] < 1e-5 and r["grad_rel_rms"] < 1e-4, r
 
 
+@pytest.mark.slow
 def test_model_modes_match_one_device_bf16():
     """In bf16 (what the GPU run uses) the sharded gradients are compared with the f32 maths:
     FSDP and CP must be no further from it than 2x the one-device bf16 run is, and that

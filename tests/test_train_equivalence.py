@@ -48,6 +48,7 @@ _CACHE: dict = {}
 
 
 @pytest.mark.parametrize("backend", [None, "native"])
+@pytest.mark.slow
 def test_offload_remat_bitwise(backend):
     s = ge.make_setup("tiny", fp8_backend=backend, **TINY)
     # (b) really offloads, per micro-batch: the GDN core's residuals (f32 gate cumsum
@@ -85,6 +86,7 @@ def test_offload_remat_bitwise(backend):
     assert any(not np.array_equal(x, y) for x, y in zip(p0, p6, strict=True))
 
 
+@pytest.mark.slow
 def test_nojit_at_rounding_level():
     """(d) vs (a) on the first step: both are BF16 runs of the same maths and are equally far
     from the f32 run (op by op is as accurate as jitted), so their difference is BF16 rounding.

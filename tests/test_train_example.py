@@ -25,7 +25,8 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def train():
+def train(shared_compiles):
+    """examples/train.py's main; runs of one configuration compile its step once."""
     spec = importlib.util.spec_from_file_location("train_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -42,6 +43,7 @@ def test_short_run_loss_decreases(train, tmp_path):
     assert {"loss", "accuracy", "tokens_per_s", "step"} <= set(json.loads(lines[-1]))
 
 
+@pytest.mark.slow
 def test_checkpoint_restore_continues_bitwise(train, tmp_path):
     common = TINY + ["--log-every=2"]
     straight = train(common + ["--steps=6", f"--out={tmp_path / 'straight'}"])
@@ -63,6 +65,7 @@ def test_text_file_task(train, tmp_path):
     assert np.isfinite(result["eval"]["loss"])
 
 
+@pytest.mark.slow
 def test_mesh_flag_matches_the_unsharded_run(train, tmp_path):
     """--mesh data=2,fsdp=2,tensor=2 (8 fake CPU devices) trains like one device."""
     if len(jax.devices()) < 8:
@@ -75,6 +78,7 @@ def test_mesh_flag_matches_the_unsharded_run(train, tmp_path):
     np.testing.assert_allclose(b, a, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_offload_fp8_flags(train, tmp_path):
     """--remat save --offload all (every named tensor to pinned host; the step compiled with
     gdn_jax.remat.compiler_options) trains bit for bit like --remat save, with native FP8

@@ -114,6 +114,7 @@ def test_decode_equals_forward():
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_chunked_loss_equals_full_logits_loss():
     """``loss`` over 16-position chunks equals cross-entropy of the full logits (value, accuracy
     and gradients), weights padding by ``mask``, and never builds the [B, T, vocab] logits."""

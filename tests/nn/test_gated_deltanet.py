@@ -129,6 +129,7 @@ def test_qat_reaches_the_core():
     assert 0 < max_err(plain, quantised) < 0.1 * float(jnp.abs(plain).max())
 
 
+@pytest.mark.slow
 def test_linen_adapter_matches_nnx():
     kw = dict(num_heads=2, head_dim=8, num_v_heads=4, v_head_dim=6, chunk_size=16)
     x = rand((2, 10, D))
