@@ -67,9 +67,9 @@ def test_packed_equals_separate(variant):
             np.testing.assert_array_equal(s[n], h0[n])  # empty: final state = initial state
             continue
         part = tuple(a[:, lo:hi] for a in args)
-        o_n, s_n = OPS[variant](
-            *part, initial_state=h0[n : n + 1], output_final_state=True, chunk_size=32, **XLA
-        )
+        o_n, s_n = jax.jit(
+            functools.partial(OPS[variant], output_final_state=True, chunk_size=32, **XLA)
+        )(*part, initial_state=h0[n : n + 1])
         assert rel_rms(o[:, lo:hi], o_n) <= 1e-5 and rel_rms(s[n], s_n[0]) <= 1e-5
 
 
@@ -93,8 +93,9 @@ def test_split_with_state_passing_equals_one_pass(variant):
         o = jnp.concatenate([o1, o2], axis=1)
         return jnp.sum(o * do) + jnp.sum(s2 * ds), (o, s2)
 
-    (_, (o_a, s_a)), g_a = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(args, h0)
-    (_, (o_b, s_b)), g_b = jax.value_and_grad(split, argnums=(0, 1), has_aux=True)(args, h0)
+    grads = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    (_, (o_a, s_a)), g_a = grads(whole)(args, h0)
+    (_, (o_b, s_b)), g_b = grads(split)(args, h0)
     assert rel_rms(o_b, o_a) <= 1e-5 and rel_rms(s_b, s_a) <= 1e-5
     for a, b in zip(jax.tree.leaves(g_b), jax.tree.leaves(g_a), strict=True):
         assert rel_rms(a, b) <= 1e-5  # includes d initial_state
