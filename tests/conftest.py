@@ -11,9 +11,9 @@ On a machine without an NVIDIA GPU (the CPU suite, as CI runs it) the tests also
   configuration (a checkpoint resumed, a run repeated) compiles that step once; every program
   is still compiled at least once per run. Not for the Pallas interpreter: its kernels call
   back into Python, and a cached executable would call the callbacks of an earlier compile.
-- run the tests marked ``slow`` first, so that ``pytest -n 2 --dist worksteal`` (the
-  ``addopts`` of pyproject.toml) starts the long tests early and the two workers finish
-  together.
+- run the tests marked ``slow`` first, so that under ``pytest -n 2`` the long tests start
+  early and the two workers finish together (xdist's ``worksteal`` would balance better, but
+  its end-of-run race, pytest-xdist issue 884, can leave both workers waiting forever).
 """
 
 import glob
@@ -44,9 +44,9 @@ jax.config.update("jax_enable_x64", False)
 def pytest_configure(config):
     # The GPU suite under pytest -n N: the tests of a module share compiled programs (cached per
     # process by tests/channel_cases.py and tests/gdn_cases.py), which xdist's default "load"
-    # or "worksteal" (the addopts) would scatter over the workers; one module per worker instead.
+    # would scatter over the workers; one module per worker instead.
     markexpr = config.getoption("markexpr", "") or ""
-    if "gpu" in markexpr and getattr(config.option, "dist", "no") in ("load", "worksteal"):
+    if "gpu" in markexpr and getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadfile"
 
 
