@@ -4,6 +4,7 @@ and the loss used to check every gradient under random cotangents."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +79,10 @@ def _cached_jit(fn, reference, kw, mode):
     del mode  # a key only: kernels traced under another execution mode are another program
     f = functools.partial(fn, **dict(kw))
     return reference_jit(f) if reference else jax.jit(f)
+
+
+def lowered_kernels(txt: str, names) -> set[str]:
+    """The kernels of ``names`` that lowered text ``txt`` calls as Mosaic GPU custom calls (a
+    kernel's symbol sits NUL-delimited inside the serialized module of its custom call)."""
+    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
+    return {name for ln in calls for name in names if re.search(rf"\\00{name}\\00", ln)}

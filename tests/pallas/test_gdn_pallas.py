@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from channel_cases import NAMES as ALL_NAMES
 from channel_cases import channel_case, check_channel_2x, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT
+from gdn_cases import RECURRENT, lowered_kernels
 
 import gdn_jax
 from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas
@@ -164,10 +164,8 @@ def test_lowers_for_cuda(K, V, HV, dtype):
 
     with pk.cuda_lowering_mesh():
         txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
-    # the kernel's symbol sits NUL-delimited inside the serialized module of its custom call
-    found = {name for ln in calls for name in KERNELS if re.search(rf"\\00{name}\\00", ln)}
-    assert found == set(KERNELS), (found, len(calls))
+    found = lowered_kernels(txt, KERNELS)
+    assert found == set(KERNELS), found
 
 
 def _kernel_hashes(n_layers: int) -> list[str]:

@@ -10,12 +10,11 @@ xla path.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gdn_cases import lowered_kernels
 
 from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas
 from gdn_jax.reference import recurrent_gated_delta_rule
@@ -103,9 +102,8 @@ def test_segments_lower_for_cuda(packed):
 
     with pk.cuda_lowering_mesh():
         txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
-    found = {m for ln in calls for m in SEGMENT_KERNELS if re.search(rf"\\00{m}\\00", ln)}
-    assert found == set(SEGMENT_KERNELS), (found, len(calls))
+    found = lowered_kernels(txt, SEGMENT_KERNELS)
+    assert found == set(SEGMENT_KERNELS), found
 
 
 def test_interpret_segments_packed_states():
