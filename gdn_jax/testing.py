@@ -59,10 +59,10 @@ def reference_jit(fn, **jit_kwargs):
     ``fn`` is traced with f32 matmuls at HIGHEST precision (the GPU's default f32 matmul is TF32)
     and compiled with ``xla_allow_excess_precision=False``: under XLA:GPU's default (true) a
     fusion may keep bf16/f16 intermediates in f32 and drop ``f32 -> narrow -> f32`` convert
-    chains, so a reference "run in bf16/f16" would be partly f32 and the 2x budget would shrink
-    (by 35-45 % for the f16 GDN recurrence on an H200). With the flag off, XLA rounds where the
-    reference says, as XLA:CPU does (``tests/pallas/test_gdn_pallas.py::
-    test_gpu_reference_budget_matches_host`` checks the budgets against the host's).
+    chains, so a reference "run in bf16/f16" would be partly f32 and the 2x budget would shrink.
+    With the flag off, XLA rounds where the reference says, as XLA:CPU does
+    (``tests/pallas/test_gdn_pallas.py::test_gpu_reference_budget_matches_host`` checks the
+    budgets against the host's).
 
     Args:
       fn: the function to compile; ``jit_kwargs`` go to :func:`jax.jit`.
