@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import string
 import sys
 from pathlib import Path
@@ -118,6 +119,8 @@ def ops_section(doc: dict) -> list[str]:
     out += _run_lines(rows, doc)
     if any(r.get("fla_ms") for r in rows):
         out += ["", "![ops vs FLA](ops_vs_fla.png)"]
+    if long_context_rows(doc):
+        out += ["", "![GDN time vs sequence length at batch 1](ops_vs_T.png)"]
     qat = [r for r in doc["rows"] if r.get("qat") is not None]
     if qat:
         base = {(r["shape"], r["mode"]): r.get("pallas_ms") for r in qat if r["qat"] == "off"}
@@ -357,6 +360,55 @@ def plot_ops(doc: dict | None, path: Path) -> bool:
     return True
 
 
+_B1 = re.compile(r"^B1_T(\d+)_H\d+_HV(\d+)_D128$")  # B1 dense shapes (no packed lengths)
+
+
+def long_context_rows(doc: dict | None) -> dict[tuple[int, str], list[tuple[int, dict]]]:
+    """GDN bf16 rows at batch 1 without packing, by (HV, mode): [(T, row)] sorted by T; only
+    the groups with at least two sequence lengths (a line needs two points)."""
+    groups: dict[tuple[int, str], list[tuple[int, dict]]] = {}
+    for r in [] if doc is None else doc["rows"]:
+        m = _B1.match(r["shape"])
+        if m and r["variant"] == "gdn" and r["dtype"] == "bfloat16" and r.get("qat") is None:
+            groups.setdefault((int(m.group(2)), r["mode"]), []).append((int(m.group(1)), r))
+    return {k: sorted(v, key=lambda x: x[0]) for k, v in sorted(groups.items()) if len(v) > 1}
+
+
+def plot_long_context(doc: dict | None, path: Path) -> bool:
+    """GDN ms vs T at batch 1 (pallas, FLA, xla), one panel per mode, a line style per value
+    head count; False when no group has two sequence lengths."""
+    groups = long_context_rows(doc)
+    if not groups:
+        return False
+    plt = _pyplot()
+    modes = sorted({mode for _, mode in groups}, key=lambda m: m != "fwd")
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6), sharey=True)
+    axes = [axes] if len(modes) == 1 else list(axes)
+    dashes = ["-", "--", ":", "-."]
+    hvs = sorted({hv for hv, _ in groups})
+    for ax, mode in zip(axes, modes, strict=True):
+        for (hv, m), pts in groups.items():
+            if m != mode:
+                continue
+            line = dashes[hvs.index(hv) % len(dashes)]
+            for key, label, marker in (("pallas_ms", "pallas", "o"), ("fla_ms", "FLA", "^"),
+                                       ("xla_ms", "xla", "s")):  # fmt: skip
+                xy = [(t, r[key]) for t, r in pts if r.get(key) is not None]
+                if xy:
+                    ax.plot(*zip(*xy, strict=True), marker + line, label=f"{label} HV{hv}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"GDN bf16, B1, {mode}")
+        ax.set_xlabel("T (tokens)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("ms")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
 def plot_decode(doc: dict | None, path: Path) -> bool:
     """Decode ms vs batch per variant (pallas, xla, FLA, floor); False when nothing to plot."""
     rows = [] if doc is None else list(doc["rows"])
@@ -405,6 +457,7 @@ def main(argv=None) -> int:
     if not a.no_plots:
         plot_ops(docs["ops"], a.out.parent / "ops_vs_fla.png")
         plot_decode(docs["decode"], a.out.parent / "decode_vs_batch.png")
+        plot_long_context(docs["ops"], a.out.parent / "ops_vs_T.png")
     print(f"wrote {a.out} ({n} lines)")
     return 0
 

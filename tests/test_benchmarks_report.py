@@ -139,3 +139,31 @@ def test_report_renders_vs_torch_rows_and_profiles(tmp_path):
     assert "## Train step profile" in text
     assert "| tiny B2 T64 bf16+none | op 1 | fusion.7 | gemm | 6.00 | 66.7% | 2 |" in text
     assert "| tiny B2 T64 bf16+none | total | all device time |  | 9.00 | 100.0% | 40 |" in text
+
+
+def test_long_context_plot_groups_batch_one_rows(tmp_path):
+    """ms vs T: GDN bf16 dense batch-1 rows by (value heads, mode), sorted by T; packed, other
+    variants and single-length groups are left out; the plot is written only when a group has
+    two lengths, and the ops section links it then."""
+    report = _report()
+
+    def row(shape, mode="fwd", variant="gdn", dtype="bfloat16", ms=1.0):
+        return {"variant": variant, "shape": shape, "mode": mode, "dtype": dtype,
+                "pallas_ms": ms, "fla_ms": 2 * ms, "xla_ms": None, "run": 0}  # fmt: skip
+
+    rows = [row("B1_T16384_H16_HV16_D128", ms=2.0), row("B1_T8192_H16_HV16_D128"),
+            row("B1_T8192_H8_HV8_D128"), row("B1_T8192_H16_HV16_D128_P4096+4096"),
+            row("B1_T8192_H16_HV16_D128", variant="kda"),
+            row("B1_T16384_H16_HV16_D128", dtype="float16"),
+            row("B4_T4096_H16_HV16_D128")]  # fmt: skip
+    run = {"date": "2026-12-01", "commit": "abc1234", "command": "bench_gdn.py"}
+    doc = {"device": "NVIDIA H200", "runs": [run], "rows": rows}
+    groups = report.long_context_rows(doc)
+    assert list(groups) == [(16, "fwd")]
+    assert [(t, r["pallas_ms"]) for t, r in groups[(16, "fwd")]] == [(8192, 1.0), (16384, 2.0)]
+    assert report.plot_long_context(doc, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size
+    assert "ops_vs_T.png" in "\n".join(report.ops_section(doc))
+    one = {**doc, "rows": rows[1:]}
+    assert not report.plot_long_context(one, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+    assert "ops_vs_T.png" not in "\n".join(report.ops_section(one))
