@@ -89,9 +89,18 @@ def interpret_params():
 
 
 def reset_interpreter() -> None:
-    """Resets the GPU interpreter after an exception inside it (its docstring asks for this)."""
+    """Resets the GPU interpreter after an exception inside it (its docstring asks for this).
+
+    Waits for the interpreted kernels still in flight first: dispatch is asynchronous, and the
+    interpreter's state is one module global, so a reset under a running kernel fails that kernel
+    (an AssertionError in its callbacks) or leaves it waiting on a barrier that no longer exists.
+    """
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
+    try:
+        jax.effects_barrier()  # the kernels end on an ordered callback: this waits for them
+    except jax.errors.JaxRuntimeError:
+        pass  # a kernel that failed; its error comes back where its outputs are read
     interpret_pallas_call.reset_gpu_interpret_mode_state()
 
 
