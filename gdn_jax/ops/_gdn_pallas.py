@@ -44,11 +44,11 @@ from gdn_jax.reference._common import (
 )
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
-from pallas_kernels._tiles import CHUNK, LoopConfig
+from pallas_kernels._tiles import CHUNK, META_COLS, LoopConfig
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
 from pallas_kernels.gdn.bwd_wy import bwd_wy
 from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
-from pallas_kernels.gdn.chunk_fwd import META_COLS, ChunkFwdConfig, chunk_fwd
+from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 from pallas_kernels.gdn.segment_state import segment_maps
 
