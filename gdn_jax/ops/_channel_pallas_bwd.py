@@ -46,11 +46,11 @@ def channel_backward_pallas(
     products,
     do,
     dht,
+    meta=None,
     *,
     scale: float,
     sliced: bool = False,
     k_split: bool = True,
-    meta=None,
 ):
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
 
@@ -65,6 +65,8 @@ def channel_backward_pallas(
         [N, T, HV, V], [N, T, HV, 64] ×2, io dtype.
       do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state
         ([S, HV, K, V] with ``meta``).
+      meta: packed sequences on one lane (N == 1): the chunk loops' [T/64, META_COLS] int32
+        table (:func:`gdn_jax.ops._gdn_pallas.packed_meta`), or None.
       scale: the output scale.
       sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices
         (a quarter of their tensor-core work; checked under the CPU interpreter and the CUDA
@@ -76,8 +78,6 @@ def channel_backward_pallas(
         as the split kernel's phased body on one CTA). On the H200 at B4 T4096 HV16 it halves
         both kernels' time (2.39 vs 4.88 ms and 2.27 vs 4.34 ms, bench_gdn.py --stages), hence
         the default.
-      meta: packed sequences on one lane (N == 1): the chunk loops' [T/64, META_COLS] int32
-        table (:func:`gdn_jax.ops._gdn_pallas.packed_meta`), or None.
     Returns:
       (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
       db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32; with
