@@ -28,6 +28,8 @@ __all__ = [
     "chunk_coords",
     "pair_chunk_coords",
     "LoopConfig",
+    "META_COLS",
+    "check_meta",
     "v_block_coords",
     "segment_coords",
     "chunk_offset",
@@ -121,6 +123,22 @@ class LoopConfig:
             raise ValueError(f"{self.segments=} must be an int >= 1")
         if not isinstance(self.scale, float):
             raise TypeError(f"{self.scale=} must be a Python float")
+
+
+# Columns of the per-chunk table of packed sequences on one lane that the chunk loops of both
+# families read (column 0: the sequence whose first chunk this is, column 1: whose last chunk,
+# else -1). The pipeline stages the rows in back-to-back SMEM slots, and every TMA destination
+# must be 128-byte aligned: a 16-column (64-byte) row faulted on the H200 with
+# CUDA_ERROR_MISALIGNED_ADDRESS, so a row is 32 int32.
+META_COLS = 32
+
+
+def check_meta(meta: jax.Array | None, B: int, nt: int) -> None:
+    """Raises ValueError unless ``meta`` is None or a [nt, META_COLS] int32 table with B == 1."""
+    if meta is not None and (B != 1 or meta.shape != (nt, META_COLS) or meta.dtype != jnp.int32):
+        raise ValueError(
+            f"{B=} {meta.shape=} {meta.dtype=}: meta must be [T/64, {META_COLS}] int32 with B == 1"
+        )
 
 
 def v_block_coords(block_v: int):

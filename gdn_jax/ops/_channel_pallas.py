@@ -3,8 +3,11 @@ channel): glue around the Mosaic GPU kernels of :mod:`pallas_kernels.channel`.
 
 Layout work happens outside the ``custom_vjp`` in plain jnp (JAX differentiates it), as in
 :mod:`gdn_jax.ops._gdn_pallas`: the optional L2 norm of q and k, padding T to a multiple of 64
-(or, with ``cu_seqlens``, one zero-padded lane per sequence when states are asked for, else all
-sequences back to back on one lane with a state-wiping gate), and the chunk-local gate cumsum.
+(one lane per batch row; with ``cu_seqlens``: all sequences back to back on one lane, each
+starting at a chunk boundary, T + 64 N rows at most; the state is reset at every sequence's first
+chunk by a state-wiping gate when all initial states are zero and no final state is asked for,
+else by the chunk loops from a per-chunk table of sequence ids, :func:`packed_meta`), and the
+chunk-local gate cumsum.
 Padded rows are inert: q = k = v = 0, b = w = β = 0 and a zero gate increment, so the cumulative
 gate of a padded row is that of the last valid row. Per-token log-decays are clamped at
 :data:`MIN_LOG_DECAY` (-10) first, which bounds every factor of the kernels' sub-chunk decay
@@ -20,18 +23,22 @@ staging tiles there). H200 tests, K = V and K ≠ V: forward and every gradient 
 f16 recurrence's error, log-decay −5 per token included.
 
 Core (:func:`_core`, a ``custom_vjp`` with a frozen :class:`ChannelConfig`) on padded lanes,
-``N`` lanes of ``Tp`` rows (Tp % 64 == 0):
+``N`` lanes of ``Tp`` rows (Tp % 64 == 0); with ``meta`` (packed sequences with states) N == 1
+and the states have one row per sequence, ``S`` of them:
 
     q, k : [N, Tp, H, K]   io dtype (bf16 or f16), l2-normalised already if asked
     v    : [N, Tp, HV, V]  io dtype
     G    : [N, Tp, HV, K]  f32, chunk-local inclusive cumsum of the per-channel log-decay
     b    : GDN2: [N, Tp, HV, K] f32 erase gate;  KDA (cfg.scalar_beta): β [N, Tp, HV] f32
     w    : GDN2: [N, Tp, HV, V] f32 write gate;  KDA: None
-    h0   : [N, HV, K, V]   f32 initial state
-  → (o [N, Tp, HV, V] io dtype, final state [N, HV, K, V] f32)
+    h0   : [N, HV, K, V]   f32 initial state ([S, HV, K, V] with meta)
+    meta : None, or [Tp/64, META_COLS] int32, the chunk loops' table (column 0: the sequence
+           whose first chunk this is, column 1: whose last chunk, else -1); not differentiated
+  → (o [N, Tp, HV, V] io dtype, final state [N, HV, K, V] f32 ([S, HV, K, V] with meta; rows
+    of empty sequences are not written, the glue puts h0 there))
 
 **Residuals** (the tuple ``res`` handed to :func:`_backward`): the core's inputs
-``(q, k, v, G, b, w, h0)`` followed by the intra kernel's products ``(qg, kg, wk, u, Aqk, A)``
+``(q, k, v, G, b, w, h0, meta)`` followed by the intra kernel's products ``(qg, kg, wk, u, Aqk, A)``
 (each [N, Tp, HV, K|V|64] io dtype; the forward's :func:`pallas_kernels.channel.intra.channel_intra`
 stores A for them). G is named :data:`gdn_jax.remat.GDN_GATE_CUMSUM`, A
 :data:`~gdn_jax.remat.GDN_A` and the other five :data:`~gdn_jax.remat.GDN_INTRA`, so remat
@@ -40,9 +47,9 @@ kernel (1.5 ms of KDA's fwd+bwd at B4 T4096 HV16 on the H200) for about as many 
 again as the inputs; under ``jax.checkpoint`` with a policy that does not save them, JAX reruns
 the forward kernels in the backward instead. :func:`_backward` recomputes h and v_new with
 :func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd` (``store_h=True``; decay_last from
-:func:`decay_last`) and returns the cotangents of the inputs: ``(dq, dk, dv, dG, db, dw, dh0)``
-with dG w.r.t. the cumsum G (the reverse cumsum to dg happens outside, by autodiff of the glue),
-db [N, Tp, HV] for KDA and dw None for KDA.
+:func:`decay_last`) and returns the cotangents of the inputs:
+``(dq, dk, dv, dG, db, dw, dh0, None)`` with dG w.r.t. the cumsum G (the reverse cumsum to dg
+happens outside, by autodiff of the glue), db [N, Tp, HV] for KDA and dw None for KDA.
 
 The backward runs the Mosaic GPU backward kernels (:mod:`gdn_jax.ops._channel_pallas_bwd`).
 :func:`_xla_core` computes the same core with the xla chunked path: the tests differentiate it as
@@ -64,6 +71,7 @@ from gdn_jax.ops._gdn_pallas import (
     from_one_lane,
     from_padded_lanes,
     one_lane,
+    packed_meta,
     padded_lanes,
     wipe_first_tokens,
 )
@@ -131,7 +139,7 @@ def intra_config(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0):
+def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta=None):
     """(o, final state, products): products are the intra kernel's ``(qg, kg, wk, u, Aqk, A)``
     (the backward's inputs, A stored by the kernel) when ``with_products``, else None."""
     with cfg.kernels():
@@ -141,17 +149,17 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0):
         products = channel_intra(q, k, v, G, bk, w, icfg)
         qg, kg, wk, u, aqk = products[:5]
         o, ht = channel_chunk_fwd(
-            qg, kg, wk, u, aqk, decay_last(G), h0, ChannelFwdConfig(scale=cfg.scale)
+            qg, kg, wk, u, aqk, decay_last(G), h0, ChannelFwdConfig(scale=cfg.scale), meta
         )
     return o, ht, (products if with_products else None)
 
 
-def _core_fwd(cfg, q, k, v, G, b, w, h0):
-    o, ht, products = _forward(cfg, True, q, k, v, G, b, w, h0)
+def _core_fwd(cfg, q, k, v, G, b, w, h0, meta):
+    o, ht, products = _forward(cfg, True, q, k, v, G, b, w, h0, meta)
     G = remat.name(G, remat.GDN_GATE_CUMSUM)
     *products, A = products
     products = (*remat.name(tuple(products), remat.GDN_INTRA), remat.name(A, remat.GDN_A))
-    return (o, ht), (q, k, v, G, b, w, h0, *products)
+    return (o, ht), (q, k, v, G, b, w, h0, meta, *products)
 
 
 def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
@@ -177,7 +185,8 @@ def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
-    """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0)`` (structure of ``res``).
+    """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0, None)`` (its inputs; none for the
+    table ``meta``).
 
     The Mosaic GPU backward (:func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`):
     recompute h, v_new with the forward's state kernel, then the reverse state-gradient loop,
@@ -185,20 +194,22 @@ def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
 
     Args:
       cfg: the core's :class:`ChannelConfig`.
-      res: ``(q, k, v, G, b, w, h0, qg, kg, wk, u, Aqk, A)`` as described in the module
+      res: ``(q, k, v, G, b, w, h0, meta, qg, kg, wk, u, Aqk, A)`` as described in the module
         docstring.
       cts: ``(do [N, Tp, HV, V] io dtype, dht [N, HV, K, V] f32)``.
     """
     from gdn_jax.ops._channel_pallas_bwd import channel_backward_pallas
 
     do, dht = cts
+    meta = res[7]
     with cfg.kernels():
-        return channel_backward_pallas(*res[:7], res[7:], do, dht, scale=cfg.scale)
+        grads = channel_backward_pallas(*res[:7], res[8:], do, dht, scale=cfg.scale, meta=meta)
+    return (*grads, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
-    return _forward(cfg, False, q, k, v, G, b, w, h0)[:2]
+def _core(cfg: ChannelConfig, q, k, v, G, b, w, h0, meta=None):
+    return _forward(cfg, False, q, k, v, G, b, w, h0, meta)[:2]
 
 
 # No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
@@ -282,22 +293,27 @@ def channel_pallas(
         q, k = l2norm(q), l2norm(k)
     xs = [q, k, v, g, b] + ([] if scalar else [w])
 
-    one = cu_seqlens is not None and initial_state is None and not output_final_state
-    if one:  # all sequences back to back on one lane, the state wiped at each one's start
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    meta = None
+    if cu_seqlens is None:  # one zero-padded lane per batch row
+        xp = padded_lanes(xs, None, T, -(-T // CHUNK) * CHUNK)
+    else:  # all sequences back to back on one lane, each starting at a chunk boundary
         xp, layout = one_lane(xs, cu_seqlens, T)
-        xp[3] = wipe_first_tokens(xp[3], layout)
-        h0 = jnp.zeros((1, HV, K, V), f32)
-    else:
-        Tp = -(-T // CHUNK) * CHUNK
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        xp = padded_lanes(xs, cu_seqlens, T, Tp)
-        h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
+        if initial_state is None and not output_final_state:  # the state wiped at each start
+            xp[3] = wipe_first_tokens(xp[3], layout)
+            h0 = jnp.zeros((1, HV, K, V), f32)
+        else:  # states set / written per sequence by the kernels, from a per-chunk table
+            meta = packed_meta(layout)
     qp, kp, vp, gp, bp = xp[:5]
     wp = None if scalar else xp[5]
-    o, ht = _core(cfg, qp, kp, vp, _cumsum(gp), bp, wp, h0)
+    o, ht = _core(cfg, qp, kp, vp, _cumsum(gp), bp, wp, h0, meta)
 
-    o = from_one_lane(o, layout, T) if one else from_padded_lanes(o, cu_seqlens, T)
-    return o.astype(v.dtype), (ht if output_final_state else None)
+    if cu_seqlens is None:
+        return from_padded_lanes(o, None, T).astype(v.dtype), (ht if output_final_state else None)
+    if meta is not None:
+        ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
+    return from_one_lane(o, layout, T).astype(v.dtype), (ht if output_final_state else None)
 
 
 CHANNEL_PALLAS = {"kda": channel_pallas, "gdn2": channel_pallas}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from gdn_jax.ops._gdn_pallas import zero_sequences_without_chunks
 from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
@@ -45,6 +46,7 @@ def channel_backward_pallas(
     products,
     do,
     dht,
+    meta=None,
     *,
     scale: float,
     sliced: bool = False,
@@ -57,11 +59,14 @@ def channel_backward_pallas(
       G: [N, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [N, T, HV, K] f32 erase gate; KDA: β [N, T, HV] f32 (then ``w`` is None).
       w: GDN2: [N, T, HV, V] f32 write gate; KDA: None.
-      h0: [N, HV, K, V] f32 initial state.
+      h0: [N, HV, K, V] f32 initial state ([S, HV, K, V], one per sequence, with ``meta``).
       products: the forward intra kernel's ``(qg, kg, wk, u, Aqk, A)``
         (:func:`pallas_kernels.channel.intra.channel_intra` with ``store_a``): [N, T, HV, K] ×3,
         [N, T, HV, V], [N, T, HV, 64] ×2, io dtype.
-      do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state.
+      do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state
+        ([S, HV, K, V] with ``meta``).
+      meta: packed sequences on one lane (N == 1): the chunk loops' [T/64, META_COLS] int32
+        table (:func:`gdn_jax.ops._gdn_pallas.packed_meta`), or None.
       scale: the output scale.
       sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices
         (a quarter of their tensor-core work; checked under the CPU interpreter and the CUDA
@@ -75,7 +80,8 @@ def channel_backward_pallas(
         the default.
     Returns:
       (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
-      db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32).
+      db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32; with
+      ``meta`` [S, HV, K, V], zero for sequences without chunks).
     """
     N, T, H, K = q.shape
     HV = v.shape[2]
@@ -99,9 +105,11 @@ def channel_backward_pallas(
 
     qg, kg, wk, u, aqk, A = products
     h, vn = channel_chunk_fwd(
-        None, kg, wk, u, None, egl, h0, ChannelFwdConfig(scale=scale, store_h=True)
+        None, kg, wk, u, None, egl, h0, ChannelFwdConfig(scale=scale, store_h=True), meta
     )
-    dh, dvh, dvl, dh0 = channel_bwd_dh(qg, kg, wk, do, aqk, egl, dht, LoopConfig(scale=scale))
+    dh, dvh, dvl, dh0 = channel_bwd_dh(qg, kg, wk, do, aqk, egl, dht, LoopConfig(scale=scale), meta)
+    if meta is not None:  # rows of sequences without chunks were never written
+        dh0 = zero_sequences_without_chunks(dh0, meta)
     dq, dk_a, dwk, dG_a = channel_bwd_dqkw(
         q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced, k_split=dqkw_split
     )

@@ -44,11 +44,11 @@ from gdn_jax.reference._common import (
 )
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
-from pallas_kernels._tiles import CHUNK, LoopConfig
+from pallas_kernels._tiles import CHUNK, META_COLS, LoopConfig
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
 from pallas_kernels.gdn.bwd_wy import bwd_wy
 from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
-from pallas_kernels.gdn.chunk_fwd import META_COLS, ChunkFwdConfig, chunk_fwd
+from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 from pallas_kernels.gdn.segment_state import segment_maps
 
@@ -243,9 +243,7 @@ def _core_bwd(cfg, res, cts):
     dG = (dg_a + dg_r - dg_c).reshape(B, HV, nt, CHUNK)
     dG = dG.at[..., -1].add(last).reshape(B, HV, T)
     if meta is not None:  # rows of sequences without chunks were never written
-        N = h0.shape[0]
-        seen = jnp.zeros((N + 1,), bool).at[jnp.where(meta[:, 0] >= 0, meta[:, 0], N)].set(True)
-        dh0 = jnp.where(seen[:N, None, None, None], dh0, 0.0)
+        dh0 = zero_sequences_without_chunks(dh0, meta)
     return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0, None
 
 
@@ -380,6 +378,23 @@ def from_one_lane(o: jax.Array, layout: ChunkLayout, T: int) -> jax.Array:
     return from_chunks(o.reshape((1, -1, CHUNK) + o.shape[2:]), layout, 1, T)
 
 
+def packed_meta(layout: ChunkLayout) -> jax.Array:
+    """The kernels' per-chunk table of packed sequences on one lane: [chunks, META_COLS] int32,
+    column 0 the sequence whose first chunk this is, column 1 whose last chunk, else -1."""
+    nc = layout.token.shape[1]
+    meta = jnp.full((nc, META_COLS), -1, jnp.int32)
+    meta = meta.at[:, 0].set(jnp.where(layout.first[0], layout.seq[0], -1))
+    return meta.at[:, 1].set(jnp.where(layout.last[0], layout.seq[0], -1))
+
+
+def zero_sequences_without_chunks(x: jax.Array, meta: jax.Array) -> jax.Array:
+    """Rows of ``x`` [N, ...] whose sequence has no chunk in ``meta`` (empty sequences: the
+    kernels never write their rows) set to 0."""
+    N = x.shape[0]
+    seen = jnp.zeros((N + 1,), bool).at[jnp.where(meta[:, 0] >= 0, meta[:, 0], N)].set(True)
+    return jnp.where(seen[:N].reshape((N,) + (1,) * (x.ndim - 1)), x, 0.0)
+
+
 def gated_delta_rule_pallas(
     q: jax.Array,
     k: jax.Array,
@@ -493,15 +508,6 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens):
     h0 = jnp.zeros((1, HV, K, V), f32)
     o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0)
     return from_one_lane(o, layout, T).astype(v.dtype)
-
-
-def packed_meta(layout: ChunkLayout) -> jax.Array:
-    """The kernels' per-chunk table of packed sequences on one lane: [chunks, META_COLS] int32,
-    column 0 the sequence whose first chunk this is, column 1 whose last chunk, else -1."""
-    nc = layout.token.shape[1]
-    meta = jnp.full((nc, META_COLS), -1, jnp.int32)
-    meta = meta.at[:, 0].set(jnp.where(layout.first[0], layout.seq[0], -1))
-    return meta.at[:, 1].set(jnp.where(layout.last[0], layout.seq[0], -1))
 
 
 def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):

@@ -22,6 +22,12 @@ from an f32 copy of dH. For shared memory every stored tile (dh in f32, dv2 hi, 
 single-buffered, as in the GDN kernel: each step waits for the previous step's stores, issued a
 whole dH update earlier. dv2's hi/lo pair and the −dv2 operand of ``wᵀ dv2`` are f16 (the io
 dtype of the residuals).
+
+Packed sequences on one lane (``meta``, the table of
+:func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd`) mirror the forward: at a sequence's
+last chunk dH is set to its dht row (TMA-loaded into an f32 staging tile under a predicate), and
+after its first chunk dH is written to its dh0 row from the same tile; for that tile's SMEM the
+stores are single-buffered as with f16 io.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import (
     CHUNK,
+    META_COLS,
     LoopConfig,
+    check_meta,
     per_v_block_kernel,
     store_f32_tile,
     v_block_coords,
@@ -44,39 +52,60 @@ from pallas_kernels.gdn.fake_quant import stage_columns
 f32 = jnp.float32
 
 
-def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0_g, *, cfg, nt):
+def _dh_body(*refs, cfg, nt: int, packed: bool):
+    qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g = refs[:7]
+    m_g = refs[7] if packed else None  # [NT, META_COLS] int32 per-chunk (reset, final) ids
+    dh_g, dvh_g, dvl_g, dh0_g = refs[-4:]
     C, BV = CHUNK, cfg.block_v
     iv, hv, b, cols = v_block_coords(BV)
     K = kg_g.shape[-1]
     dt = kg_g.dtype
     # f16 io: dH is staged with one scale per column and dh is written in f32 (docs/design.md)
     scaled = dt == jnp.float16
+    # the f32 [K, BV] tile (f16: the dh store; packed: the dht / dh0 staging) fits in SMEM only
+    # with single-buffered stores
+    single = scaled or packed
 
     def load_dht(st_s, bar):
         plgpu.copy_gmem_to_smem(dht_g.at[b, hv, :, cols], st_s, bar)
         plgpu.barrier_wait(bar)
         return cp.to_wgmma(st_s[...])
 
-    dH0 = pl.run_scoped(load_dht, cp.smem((K, BV), f32), plgpu.Barrier())
+    if packed:  # every sequence's last chunk sets dH to its final-state cotangent
+        dH0 = cp.to_wgmma(jnp.zeros((K, BV), f32))
+    else:
+        dH0 = pl.run_scoped(load_dht, cp.smem((K, BV), f32), plgpu.Barrier())
 
     def scoped(dh_s, ndv_s, hi_s, lo_s, *dhf_s):
-        def step(idx, qg_s, kg_s, w_s, do_s, aqk_s, egl_s, dH):
+        def step(idx, qg_s, kg_s, w_s, do_s, aqk_s, egl_s, *rest):
+            *m_s, dH = rest
             (i,) = idx
             c = nt - 1 - i
             slot = lax.rem(i, 2)
-            at_slot = (lambda r: r) if scaled else (lambda r: r.at[slot])
+            at_slot = (lambda r: r) if single else (lambda r: r.at[slot])
             rows = pl.ds(c * C, C)
-            if scaled:
-                # single-buffered stores: those of step i-1 must have left SMEM
+            if single:  # single-buffered stores: those of step i-1 must have left SMEM
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dh_ref = dh_s
-                unstage = stage_columns(dH, dh_ref, scaled)
+            else:
+                plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # the stores of step i-2 left SMEM
+            if packed:  # packed sequences on one lane (reverse): a last chunk loads its dht
+                reset, fin = m_s[0][0], m_s[0][1]
+
+                @pl.when(fin >= 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(dht_g.at[fin, hv, :, cols], dhf_s[0], dhf_s[1])
+                    plgpu.barrier_wait(dhf_s[1])
+
+                # a vector predicate (select does not broadcast a scalar one on the GPU)
+                on = cp.iota((K, BV), 0) < jnp.where(fin >= 0, K, 0)
+                dH = jnp.where(on, cp.load_tile(dhf_s[0]), dH)
+            dh_ref = at_slot(dh_s)
+            unstage = stage_columns(dH, dh_ref, scaled)
+            if scaled:
                 dhf_s[0][...] = dH
                 dh_src = dhf_s[0]
             else:
-                plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # the stores of step i-2 left SMEM
-                dh_ref = dh_src = dh_s.at[slot]
-                unstage = stage_columns(dH, dh_ref, scaled)
+                dh_src = dh_ref
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dh_src, dh_g.at[b, c, hv, :, cols])
 
@@ -92,7 +121,17 @@ def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0
 
             decay = cp.bcast_rows(cp.row_vec(egl_s), (K, BV))
             upd = cp.matmul(w_s.T, ndv_s, (K, BV))
-            return dH * decay + cfg.scale * cp.matmul(qg_s.T, do_s, (K, BV)) + upd
+            dH = dH * decay + cfg.scale * cp.matmul(qg_s.T, do_s, (K, BV)) + upd
+            if packed:  # a sequence's first chunk: dH is now the cotangent of its h0
+
+                @pl.when(reset >= 0)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the dh store left dhf_s
+                    dhf_s[0][...] = dH
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dhf_s[0], dh0_g.at[reset, hv, :, cols])
+
+            return dH
 
         rev = lambda i: nt - 1 - i
         tile = lambda n: dict(dtype=dt, cols=n)
@@ -104,22 +143,28 @@ def _dh_body(qg_g, kg_g, w_g, do_g, aqk_g, egl_g, dht_g, dh_g, dvh_g, dvl_g, dh0
             cp.block_spec((None, C, None, C), lambda i: (b, rev(i), hv, 0), **tile(C)),  # Aqk
             cp.block_spec((None, None, None, K), lambda i: (b, hv, rev(i), 0)),  # e^{G_last}
         ]
+        ins = (qg_g, kg_g, w_g, do_g, aqk_g, egl_g)
+        if packed:
+            specs.append(cp.block_spec((None, META_COLS), lambda i: (rev(i), 0)))  # (reset, final)
+            ins += (m_g,)
         dH = plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=dH0
-        )(qg_g, kg_g, w_g, do_g, aqk_g, egl_g)
+        )(*ins)
         plgpu.wait_smem_to_gmem(0)
         return dH
 
     dH = pl.run_scoped(
         scoped,
-        cp.smem((K, BV) if scaled else (2, K, BV), dt),  # dH as the wgmma operand (+ dh store)
+        cp.smem((K, BV) if single else (2, K, BV), dt),  # dH as the wgmma operand (+ dh store)
         cp.smem((C, BV), dt),
-        cp.smem((C, BV) if scaled else (2, C, BV), dt),  # dv2 hi
-        cp.smem((C, BV) if scaled else (2, C, BV), dt),  # dv2 lo
-        *((cp.smem((K, BV), f32),) if scaled else ()),  # f16 io: dH in f32, the dh store
+        cp.smem((C, BV) if single else (2, C, BV), dt),  # dv2 hi
+        cp.smem((C, BV) if single else (2, C, BV), dt),  # dv2 lo
+        # dH in f32: the dh store with f16 io; the dht / dh0 staging of packed sequences
+        *((cp.smem((K, BV), f32),) if single else ()),
+        *((plgpu.Barrier(),) if packed else ()),
     )
-
-    store_f32_tile(dH, dh0_g.at[b, hv, :, cols])
+    if not packed:
+        store_f32_tile(dH, dh0_g.at[b, hv, :, cols])
 
 
 def channel_bwd_dh(
@@ -131,6 +176,7 @@ def channel_bwd_dh(
     decay_last: jax.Array,
     dht: jax.Array,
     config: LoopConfig,
+    meta: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Reverse chunk loop of the channel-decay backward.
 
@@ -139,13 +185,19 @@ def channel_bwd_dh(
       do: [B, T, HV, V] io dtype.
       aqk: [B, T, HV, 64] io dtype, the decayed causal intra-chunk product (unscaled).
       decay_last: [B, HV, T/64, K] f32, e^{G_last} per chunk and key channel.
-      dht: [B, HV, K, V] f32 cotangent of the final state.
+      dht: [B, HV, K, V] f32 cotangent of the final state ([N, HV, K, V] with ``meta``).
       config: :class:`LoopConfig`.
+      meta: packed sequences on one lane (B == 1), as for
+        :func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd`: [T/64, META_COLS] int32
+        (reset, final) ids; dH is set to dht[n] at sequence n's last chunk and written to dh0[n]
+        after its first.
     Returns:
       dh [B, T/64, HV, K, V] (io dtype, f32 for f16 io; gradient of the state at each chunk's
-      end), dv2_hi, dv2_lo [B, T, HV, V] io dtype (dL/dv_new = hi + lo), dh0 [B, HV, K, V] f32.
+      end), dv2_hi, dv2_lo [B, T, HV, V] io dtype (dL/dv_new = hi + lo), dh0 [B, HV, K, V] f32
+      ([N, HV, K, V] with ``meta``, rows of sequences without chunks unwritten).
     Raises:
-      NotImplementedError: f16 io at K = block_v = 128 (shared memory; block_v = 64 fits).
+      NotImplementedError: f16 io, or ``meta``, at K = block_v = 128 (shared memory; block_v =
+        64 fits).
     """
     B, T, HV, K = kg.shape
     V = do.shape[3]
@@ -154,6 +206,13 @@ def channel_bwd_dh(
     nt = T // CHUNK
     if config.segments != 1:
         raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
+    packed = meta is not None
+    check_meta(meta, B, nt)
+    if packed and K * config.block_v > 128 * 64:
+        raise NotImplementedError(
+            f"packed states with K={K}, block_v={config.block_v}: the f32 dht / dh0 staging tile "
+            "does not fit in shared memory; use block_v=64"
+        )
     dt = kg.dtype
     if dt == jnp.float16 and K * config.block_v > 128 * 64:
         raise NotImplementedError(
@@ -164,13 +223,13 @@ def channel_bwd_dh(
         jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if dt == jnp.float16 else dt),
         jax.ShapeDtypeStruct((B, T, HV, V), dt),
         jax.ShapeDtypeStruct((B, T, HV, V), dt),
-        jax.ShapeDtypeStruct((B, HV, K, V), f32),
+        jax.ShapeDtypeStruct(dht.shape if packed else (B, HV, K, V), f32),
     )
 
     def body(*refs):
-        _dh_body(*refs, cfg=config, nt=nt)
+        _dh_body(*refs, cfg=config, nt=nt, packed=packed)
 
     fn = per_v_block_kernel(
         body, out_type, v_blocks=V // config.block_v, HV=HV, B=B, name="chan_bwd_dh"
     )
-    return fn(qg, kg, w, do, aqk, decay_last, dht)
+    return fn(qg, kg, w, do, aqk, decay_last, dht, *(() if meta is None else (meta,)))

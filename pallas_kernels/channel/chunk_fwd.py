@@ -15,6 +15,11 @@ writes the state entering each chunk (h) and v_new instead of o: the backward's 
 Padded rows (zero qg, kg, w, u and Aqk rows/columns) leave S unchanged; e^{G_last} must be the
 decay at the chunk's last valid row (padded rows repeat it).
 
+Packed sequences on one lane (``meta``, as in :mod:`pallas_kernels.gdn.chunk_fwd`): each sequence
+starts at a chunk boundary and a per-chunk table, read from SMEM as scalars, names the sequence
+whose first chunk this is (the state is set to its h0 row, TMA-loaded into a staging tile under a
+predicate) and the one whose last chunk this is (its end state is written from the same tile).
+
 f16 io (docs/design.md: an f32 state is never staged through plain f16, whose maximum is 65504): the
 state tile is staged as f16 with one scale per V column (:func:`pallas_kernels.gdn.fake_quant.
 f16_stage_scales`, each column's amax at 2^14), and the columns of ``w S`` and ``qg S`` are
@@ -38,7 +43,9 @@ from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import (
     CHUNK,
+    META_COLS,
     LoopConfig,
+    check_meta,
     per_v_block_kernel,
     store_f32_tile,
     v_block_coords,
@@ -65,13 +72,17 @@ class ChannelFwdConfig(LoopConfig):
             raise TypeError(f"{self.store_h=} must be a bool")
 
 
-def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
+def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int, packed: bool):
     C, BV = CHUNK, cfg.block_v
     store_h = cfg.store_h
+    n_in = 5 if store_h else 7
     if store_h:
-        kg_g, w_g, u_g, dl_g, h0_g, h_g, vn_g = refs
+        kg_g, w_g, u_g, dl_g, h0_g = refs[:n_in]
+        h_g, vn_g = refs[-2:]
     else:
-        qg_g, kg_g, w_g, u_g, aqk_g, dl_g, h0_g, o_g, ht_g = refs
+        qg_g, kg_g, w_g, u_g, aqk_g, dl_g, h0_g = refs[:n_in]
+        o_g, ht_g = refs[-2:]
+    m_g = refs[n_in] if packed else None  # [NT, META_COLS] int32 per-chunk (reset, final) ids
     iv, hv, b, cols = v_block_coords(BV)
     K = kg_g.shape[-1]
     dt = kg_g.dtype
@@ -87,19 +98,37 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
         plgpu.barrier_wait(bar)
         return cp.to_wgmma(h0_s[...])
 
-    S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
+    if packed:  # every state is set by its sequence's first chunk
+        S0 = cp.to_wgmma(jnp.zeros((K, BV), f32))
+    else:
+        S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
 
-    def scoped(s_s, vn_s, buf):
-        # buf: the o tiles (two slots; one with f16), or with f16 store_h the two f32 h tiles
+    def scoped(s_s, vn_s, buf, *stage):
+        # buf: the o tiles (two slots; one with f16), or with f16 store_h the two f32 h tiles;
+        # stage (packed): the h0 / final-state tile [K, BV] f32 and its barrier
         hf_s = buf if store_h and scaled else None
+        st_s, st_bar = stage if packed else (None, None)
 
         def step(idx, *args):
+            *args, S = args
+            m_s = args.pop() if packed else None
             if store_h:
-                kg_s, w_s, u_s, dl_s, S = args
+                kg_s, w_s, u_s, dl_s = args
             else:
-                qg_s, kg_s, w_s, u_s, aqk_s, dl_s, S = args
+                qg_s, kg_s, w_s, u_s, aqk_s, dl_s = args
             (c,) = idx
             slot = lax.rem(c, 2)
+            if packed:  # packed sequences on one lane: a sequence's first chunk loads its h0
+                reset, fin = m_s[0], m_s[1]
+
+                @pl.when(reset >= 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(h0_g.at[reset, hv, :, cols], st_s, st_bar)
+                    plgpu.barrier_wait(st_bar)
+
+                # a vector predicate (select does not broadcast a scalar one on the GPU)
+                on = cp.iota((K, BV), 0) < jnp.where(reset >= 0, K, 0)
+                S = jnp.where(on, cp.load_tile(st_s), S)
             # the stores issued two steps ago (same slot) must have finished reading SMEM
             # (f16 forward: the single o tile, so step c-1's o store too)
             plgpu.wait_smem_to_gmem(0 if o_single else n_groups, wait_read_only=True)
@@ -127,7 +156,17 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_ref, o_g.at[b, pl.ds(c * C, C), hv, cols])
             decay = cp.bcast_rows(cp.row_vec(dl_s), (K, BV))
-            return S * decay + cp.matmul(kg_s.T, vn_ref, (K, BV))
+            S = S * decay + cp.matmul(kg_s.T, vn_ref, (K, BV))
+            if packed and not store_h:  # a sequence's last chunk writes its final state
+
+                @pl.when(fin >= 0)
+                def _():
+                    st_s[...] = S
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(st_s, ht_g.at[fin, hv, :, cols])
+                    plgpu.wait_smem_to_gmem(0)  # before the next h0 load overwrites st_s
+
+            return S
 
         tile = lambda cols_: dict(dtype=dt, cols=cols_)
         specs = []
@@ -142,6 +181,9 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
             specs.append(cp.block_spec((None, C, None, C), lambda c: (b, c, hv, 0), **tile(C)))
         specs.append(cp.block_spec((None, None, None, K), lambda c: (b, hv, c, 0)))  # e^{G_last}
         ins = (kg_g, w_g, u_g, dl_g) if store_h else (qg_g, kg_g, w_g, u_g, aqk_g, dl_g)
+        if packed:
+            specs.append(cp.block_spec((None, META_COLS), lambda c: (c, 0)))  # (reset, final)
+            ins += (m_g,)
         S = plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=S0
         )(*ins)
@@ -155,8 +197,9 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int):
         buf = cp.smem((2, K, BV), f32)
     else:
         buf = cp.smem((C, BV) if o_single else (2, C, BV), dt)
-    S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), buf)
-    if not store_h:
+    stage = (cp.smem((K, BV), f32), plgpu.Barrier()) if packed else ()
+    S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), buf, *stage)
+    if not store_h and not packed:
         store_f32_tile(S, ht_g.at[b, hv, :, cols])
 
 
@@ -169,6 +212,7 @@ def channel_chunk_fwd(
     decay_last: jax.Array,
     h0: jax.Array,
     config: ChannelFwdConfig,
+    meta: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the chunk loop.
 
@@ -177,15 +221,21 @@ def channel_chunk_fwd(
         qg unused/None with ``store_h``. T a multiple of 64.
       u: [B, T, HV, V]; aqk: [B, T, HV, 64] (None with ``store_h``).
       decay_last: [B, HV, T/64, K] f32, e^{G_last} per chunk and key channel.
-      h0: [B, HV, K, V] f32 initial state.
+      h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``).
       config: :class:`ChannelFwdConfig`.
+      meta: packed sequences on one lane (B == 1): [T/64, META_COLS] int32, column 0 the
+        sequence whose first chunk this is (its state is set to h0[that]) or -1, column 1 the
+        sequence whose last chunk this is (its end state is written to final[that]) or -1
+        (:func:`pallas_kernels.gdn.chunk_fwd.chunk_fwd`'s table).
     Returns:
-      Default: (o [B, T, HV, V] in kg.dtype, final state [B, HV, K, V] f32).
+      Default: (o [B, T, HV, V] in kg.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
+      ``meta``, rows of sequences without chunks unwritten).
       ``store_h``: (h [B, T/64, HV, K, V] in kg.dtype (f32 for f16 io), the state entering each
       chunk; v_new [B, T, HV, V] in kg.dtype).
     Raises:
       NotImplementedError: f16 io with ``store_h`` at K = block_v = 128 (the f32 h tiles do not
-        fit in shared memory; block_v = 64 does).
+        fit in shared memory; block_v = 64 does); ``meta`` with block_v = 128 (no shared memory
+        for the state staging tile).
     """
     B, T, HV, K = kg.shape
     V = u.shape[3]
@@ -200,6 +250,10 @@ def channel_chunk_fwd(
     nt = T // CHUNK
     if config.segments != 1:
         raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
+    packed = meta is not None
+    check_meta(meta, B, nt)
+    if packed and config.block_v == 128:
+        raise NotImplementedError("packed states with block_v=128: no SMEM for the state staging")
     if config.store_h:
         out_type = (
             jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if f16 else kg.dtype),
@@ -209,12 +263,13 @@ def channel_chunk_fwd(
     else:
         out_type = (
             jax.ShapeDtypeStruct((B, T, HV, V), kg.dtype),
-            jax.ShapeDtypeStruct((B, HV, K, V), f32),
+            jax.ShapeDtypeStruct(h0.shape if packed else (B, HV, K, V), f32),
         )
         ins = (qg, kg, w, u, aqk, decay_last, h0)
+    ins += (meta,) if packed else ()
 
     def body(*refs):
-        _fwd_body(*refs, cfg=config, nt=nt)
+        _fwd_body(*refs, cfg=config, nt=nt, packed=packed)
 
     fn = per_v_block_kernel(
         body,

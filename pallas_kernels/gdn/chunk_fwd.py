@@ -26,7 +26,9 @@ from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import (
     CHUNK,
+    META_COLS,
     LoopConfig,
+    check_meta,
     chunk_offset,
     per_v_block_kernel,
     segment_coords,
@@ -59,21 +61,6 @@ class ChunkFwdConfig(LoopConfig):
         super().__post_init__()
         if self.state_quant is not None and self.state_quant not in STATE_QUANT:
             raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
-
-
-# Columns of the per-chunk table of packed sequences (column 0: the sequence whose first chunk
-# this is, column 1: whose last chunk, else -1). The pipeline stages the rows in back-to-back SMEM
-# slots, and every TMA destination must be 128-byte aligned: a 16-column (64-byte) row faulted on
-# the H200 with CUDA_ERROR_MISALIGNED_ADDRESS, so a row is 32 int32.
-META_COLS = 32
-
-
-def check_meta(meta: jax.Array | None, B: int, nt: int) -> None:
-    """Raises ValueError unless ``meta`` is None or a [nt, META_COLS] int32 table with B == 1."""
-    if meta is not None and (B != 1 or meta.shape != (nt, META_COLS) or meta.dtype != jnp.int32):
-        raise ValueError(
-            f"{B=} {meta.shape=} {meta.dtype=}: meta must be [T/64, {META_COLS}] int32 with B == 1"
-        )
 
 
 def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):

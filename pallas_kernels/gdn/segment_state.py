@@ -27,14 +27,15 @@ from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import (
     CHUNK,
+    META_COLS,
     LoopConfig,
+    check_meta,
     chunk_offset,
     per_v_block_kernel,
     segment_coords,
     store_f32_tile,
     v_block_coords,
 )
-from pallas_kernels.gdn.chunk_fwd import META_COLS, check_meta
 from pallas_kernels.gdn.fake_quant import stage_columns
 
 f32 = jnp.float32

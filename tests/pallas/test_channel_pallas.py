@@ -193,12 +193,12 @@ SLOW = pytest.mark.slow
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 # B, T, H, HV, cu_seqlens; K, V. Each shape is compiled once per process (channel_cases caches the
 # programs) and serves several tests. DENSE: 16 chunks, the last one partial, GVA, two batch rows
-# with initial/final states, K = V = 128; PACKED: packed sequences with an empty one and states
-# (every sequence ends in a partial chunk), 16 heads, K != V (GDN2 K 64 / V 128, KDA K 128 / V 64:
-# at K = 128 the K-split backward forms with V = 64, at K = 64 the phased dq/dk/dw body and the
-# unsplit WY kernel).
+# with initial/final states, K = V = 128; PACKED: packed sequences with an empty and a one-token
+# one and states, on one lane (every sequence ends in a partial chunk), 16 heads, K != V (GDN2
+# K 64 / V 128, KDA K 128 / V 64: at K = 128 the K-split backward forms with V = 64, at K = 64
+# the phased dq/dk/dw body and the unsplit WY kernel).
 DENSE = (2, 1000, 4, 8, None)
-PACKED = (1, 4096, 16, 16, [0, 1000, 1000, 2500, 4096])
+PACKED = (1, 4096, 16, 16, [0, 1000, 1000, 2500, 2501, 4096])
 K_NE_V = {"gdn2": (64, 128), "kda": (128, 64)}
 
 

@@ -178,12 +178,15 @@ def test_interpret_packed_one_lane(variant):
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "dense"])
 @pytest.mark.parametrize(
     "variant,K,V",
     [("gdn2", 128, 128), ("kda", 128, 128), ("gdn2", 64, 64), ("gdn2", 64, 128), ("kda", 128, 64)],
 )
-def test_lowers_for_cuda(variant, K, V):
-    B, T, H, HV = 1, 200, 2, 4
+def test_lowers_for_cuda(variant, K, V, packed):
+    """Packed sequences with states (one lane, the chunk loops driven by the sequence table) and
+    a dense batch of two rows with states (the loops without the table)."""
+    B, T, H, HV = (1 if packed else 2), 200, 2, 4
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     gates = (S((B, T, HV, K), f32), S((B, T, HV, V), f32)) if variant == "gdn2" else (
         S((B, T, HV), f32),
@@ -201,7 +204,8 @@ def test_lowers_for_cuda(variant, K, V):
 
         return jax.grad(loss, argnums=(0, 1, 2))(args, gates, h0)
 
-    h0, cu = S((3, HV, K, V), f32), S((4,), jnp.int32)
+    h0 = S((3 if packed else B, HV, K, V), f32)
+    cu = S((4,), jnp.int32) if packed else None
     with pk.cuda_lowering_mesh():
         txt = jax.jit(f).trace(args, gates, h0, cu).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
