@@ -47,7 +47,6 @@ def channel_backward_pallas(
     dht,
     *,
     scale: float,
-    sliced: bool = False,
     k_split: bool = True,
 ):
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
@@ -63,9 +62,6 @@ def channel_backward_pallas(
         [N, T, HV, V], [N, T, HV, 64] ×2, io dtype.
       do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state.
       scale: the output scale.
-      sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices
-        (a quarter of their tensor-core work; checked under the CPU interpreter and the CUDA
-        lowering only, never run on the GPU, hence off by default).
       k_split: the dq/dk/dw and WY kernels run two CTAs per chunk and value head, one per
         64-column half of K: half-size register tiles and under half the SMEM per CTA, so two
         CTAs share an SM (bf16: K = V = 128; f16: K = 128 at either V, which f16 needs there;
@@ -103,7 +99,7 @@ def channel_backward_pallas(
     )
     dh, dvh, dvl, dh0 = channel_bwd_dh(qg, kg, wk, do, aqk, egl, dht, LoopConfig(scale=scale))
     dq, dk_a, dwk, dG_a = channel_bwd_dqkw(
-        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced, k_split=dqkw_split
+        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, k_split=dqkw_split
     )
     outs = channel_bwd_wy(
         k,
@@ -117,7 +113,7 @@ def channel_backward_pallas(
         dwk,
         dvh,
         dvl,
-        ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=wy_split),
+        ChannelBwdWyConfig(scalar_beta=scalar, k_split=wy_split),
     )
     if scalar:
         dk_b, dv, dG_b, dbeta = outs
