@@ -13,6 +13,7 @@ driver :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`. Three le
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -57,27 +58,35 @@ def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0):
     return cfg, (q, k, v, G, b, w, h0), (do, dht)
 
 
-def _core_fns(cfg, k_split):
+def core_plan(cfg, res, *, whole: bool):
+    """The plan the op's backward runs for these residuals; ``whole``: with the one-CTA dq/dk/dw
+    and the unsplit WY kernels forced instead (the forms it does not pick at K = V = 128)."""
+    plan = cpm.core_plan(cfg, res[0], res[2], store_a=True)
+    return dataclasses.replace(plan, dqkw="one_cta", wy_split=False) if whole else plan
+
+
+def _core_fns(cfg, whole):
     def xla_vjp(res, cts):  # the xla core computes in its inputs' dtype: f32 inputs, f32 core
         _, vjp = jax.vjp(lambda *a: cpm._xla_core(cfg, *a), *res)
         return vjp(cts)
 
     def mine(res, cts):  # the forward kernels' products, then the backward driver
         products = cpm._forward(cfg, True, *res)[2]
-        return channel_backward_pallas(*res, products, *cts, scale=cfg.scale, k_split=k_split)
+        plan = core_plan(cfg, res, whole=whole)
+        return channel_backward_pallas(*res, products, *cts, scale=cfg.scale, plan=plan)
 
     return xla_vjp, mine
 
 
 @functools.cache
-def _core_programs(cfg, k_split):
+def _core_programs(cfg, whole):
     """The compiled xla core VJP (a reference) and driver, shared by every case of their shapes;
     cotangents are arguments: as closure constants XLA would constant-fold them (slow)."""
-    xla_vjp, mine = _core_fns(cfg, k_split)
+    xla_vjp, mine = _core_fns(cfg, whole)
     return reference_jit(xla_vjp), jax.jit(mine)
 
 
-def check_core(cfg, res, cts, *, floor=1e-2, jit=True, k_split=True):
+def check_core(cfg, res, cts, *, floor=1e-2, jit=True, whole=False):
     """Driver vs the xla core's VJP: error(driver, f32 core) <= 2 error(bf16 core, f32 core) +
     floor. The inputs are already bf16 here, so the bf16 core differs from the f32 one only where
     it rounds operands (its state-gradient loop is f32: its dh0 error is ~1e-6); the kernels stage
@@ -85,9 +94,9 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True, k_split=True):
     hence the floor. The op-level tests apply the strict 2x rule against the recurrent oracle."""
     up = lambda x: None if x is None else x.astype(f32)
     if jit:
-        xla_vjp, mine = _core_programs(cfg, k_split)
+        xla_vjp, mine = _core_programs(cfg, whole)
     else:
-        xla_vjp, mine = _core_fns(cfg, k_split)
+        xla_vjp, mine = _core_fns(cfg, whole)
     ref32 = xla_vjp(tuple(up(x) for x in res), cts)
     ref_lo = xla_vjp(res, cts)
     with pk.use_mode(cfg.mode):
@@ -219,30 +228,28 @@ CORE = (1, 2048, 4, 8, 128)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "k_split",
+    "whole",
     [
-        True,  # the op's form
-        # the other form's kernels: test_gpu_kernels (whole), test_channel_ksplit_*.py
-        pytest.param(False, marks=SLOW),
+        False,  # the op's forms (the plan's)
+        # the other forms' kernels: test_gpu_kernels (whole), test_channel_ksplit_*.py
+        pytest.param(True, marks=SLOW),
     ],
     ids=["ksplit", "whole"],
 )
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_core_grads(variant, k_split):
+def test_gpu_core_grads(variant, whole):
     cfg, res, cts = core_case(3, variant, *CORE)
-    check_core(cfg, res, cts, k_split=k_split)
+    check_core(cfg, res, cts, whole=whole)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "k_split", [pytest.param(False, marks=SLOW), True], ids=["whole", "ksplit"]
-)
+@pytest.mark.parametrize("whole", [pytest.param(True, marks=SLOW), False], ids=["whole", "ksplit"])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 @pytest.mark.parametrize("g_val", [0.0, -5.0])
-def test_gpu_core_extreme_gates(variant, g_val, k_split):
+def test_gpu_core_extreme_gates(variant, g_val, whole):
     """Per-token log-decay −5 on every channel over whole chunks, and no decay at all."""
     cfg, res, cts = core_case(4, variant, *CORE, g_val=g_val)
-    check_core(cfg, res, cts, k_split=k_split)
+    check_core(cfg, res, cts, whole=whole)
 
 
 # Every gradient of the op at heavier shapes (-m "gpu and slow"). The same code paths, every
