@@ -355,10 +355,9 @@ def bench_channel_stages(s, x, variant) -> dict:
     """Per-kernel times of the GDN2/KDA pallas forward and backward (padded layout, T a multiple
     of 64): ``chan_intra`` as inference runs it, ``chan_intra(store_a…)`` as a differentiated
     forward runs it (keeping A for the backward), then the backward's kernels in the order
-    :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(sliced)``
-    times the sub-chunk-sliced variant of a backward kernel, ``…(k_split)`` the variant with one
-    CTA per half of K, ``chan_intra(…split)`` the intra kernel with its work split over two CTAs
-    (``ChannelIntraConfig.split``)."""
+    :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(k_split)``
+    times the variant of a backward kernel with one CTA per half of K, ``chan_intra(…split)``
+    the intra kernel with its work split over two CTAs (``ChannelIntraConfig.split``)."""
     from gdn_jax.ops._channel_pallas import decay_last, kernel_beta
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.channel.bwd_dh import channel_bwd_dh
@@ -406,14 +405,14 @@ def bench_channel_stages(s, x, variant) -> dict:
     gr, gl = reference_rows(G)
     bk, w_gate = gates
 
-    def dqkw_fn(sliced, k_split=False):
-        return jax.jit(lambda *a: channel_bwd_dqkw(*a, scale=scale, sliced=sliced, k_split=k_split))
+    def dqkw_fn(k_split):
+        return jax.jit(lambda *a: channel_bwd_dqkw(*a, scale=scale, k_split=k_split))
 
     dqkw_args = (q, k, G, gr, gl, h, dh, vn, do, dvh, dvl)
     dwk = dqkw_fn(False)(*dqkw_args)[2]
 
-    def wy_fn(sliced, k_split=False):
-        wcfg = ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=k_split)
+    def wy_fn(k_split):
+        wcfg = ChannelBwdWyConfig(scalar_beta=scalar, k_split=k_split)
         return jax.jit(lambda *a: channel_bwd_wy(*a, wcfg))
 
     wy_args = (k, v, G, gr, gl, bk, w_gate, A, dwk, dvh, dvl)
@@ -423,11 +422,9 @@ def bench_channel_stages(s, x, variant) -> dict:
         "chan_chunk_h": time_jax(hrec, (kg, wk, u, dl, h0)),
         "chan_bwd_dh": time_jax(dh_fn, (qg, kg, wk, do, aqk, dl, dht)),
         "chan_bwd_dqkw": time_jax(dqkw_fn(False), dqkw_args),
-        "chan_bwd_dqkw(sliced)": time_jax(dqkw_fn(True), dqkw_args),
-        "chan_bwd_dqkw(k_split)": time_jax(dqkw_fn(False, True), dqkw_args),
+        "chan_bwd_dqkw(k_split)": time_jax(dqkw_fn(True), dqkw_args),
         "chan_bwd_wy": time_jax(wy_fn(False), wy_args),
-        "chan_bwd_wy(sliced)": time_jax(wy_fn(True), wy_args),
-        "chan_bwd_wy(k_split)": time_jax(wy_fn(False, True), wy_args),
+        "chan_bwd_wy(k_split)": time_jax(wy_fn(True), wy_args),
     })  # fmt: skip
     return times
 

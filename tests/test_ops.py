@@ -179,6 +179,25 @@ def test_default_order_per_variant(monkeypatch):
         assert ops.default_implementations(v) == ("pallas", "xla")
 
 
+def test_broken_kernel_import_raises(monkeypatch):
+    """A kernel module that fails to import raises ImportError: neither NotImplementedError nor a
+    silent fall-back to xla."""
+    import sys
+
+    from gdn_jax import ops
+
+    monkeypatch.setitem(sys.modules, "gdn_jax.ops._channel_pallas", None)
+    with pytest.raises(ImportError) as info:
+        ops._pallas("kda")
+    assert not isinstance(info.value, NotImplementedError)
+    x = random_inputs(19, B=1, T=20, H=1, HV=1, K=64, V=64, variant="kda")
+    args = [x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")] + [x["g"], x["beta"]]
+    with pytest.raises(ImportError):
+        gdn_jax.kda(*args, implementation=("pallas", "xla"))
+    with pytest.raises(ValueError, match="variant"):
+        ops._pallas("gdn3")
+
+
 def test_empty_time_axis():
     x = random_inputs(18, B=2, T=0, H=1, HV=1, K=8, V=8)
     o, s = gdn_jax.gated_delta_rule(

@@ -61,17 +61,24 @@ def default_implementations(variant: str = "gdn") -> tuple[str, ...]:
 
 
 def _pallas(variant: str) -> Callable:
-    """The Pallas entry point for ``variant``, or NotImplementedError when there is none."""
-    try:
-        if variant == "gdn":
-            from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas as fn
-        else:
-            from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS
+    """The Pallas entry point for ``variant`` ("gdn", "kda" or "gdn2").
 
-            fn = CHANNEL_PALLAS[variant]
-    except (ImportError, KeyError) as e:
-        raise NotImplementedError(f"no Pallas kernels for {variant!r} in this build ({e})") from e
-    return fn
+    A failing import of the kernels' modules propagates: a broken build must not fall back to
+    "xla" silently (calls the kernels do not serve raise NotImplementedError from the entry
+    point itself).
+
+    Raises:
+      ValueError: ``variant`` is none of those.
+    """
+    if variant == "gdn":
+        from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas
+
+        return gated_delta_rule_pallas
+    if variant in ("kda", "gdn2"):
+        from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS
+
+        return CHANNEL_PALLAS[variant]
+    raise ValueError(f"{variant=}: expected 'gdn', 'kda' or 'gdn2'")
 
 
 def _run(name: str, implementation, run_xla: Callable, run_pallas: Callable, *, default: str):

@@ -16,11 +16,13 @@ factoring by e^{80} (finite in f32/bf16) and changes results by at most e^{-10} 
 f16 io (K, V ∈ {64, 128}, K ≠ V included): the kernels stage those decay-factored operands as
 bf16 hi/lo pairs (f32 range, ~16-bit precision; f16 could hold neither their size nor their
 spread) and the f32 state and its gradient as f16 with one scale per row or column (as the GDN
-kernels do); the intra kernel runs its split form (K/64 passes over K, u in V/64 column blocks),
-the backward's dq/dk/dw kernel its K-split (K = 128) or phased (K = 64) form and the WY kernel
-its K-split form at K = 128 (at either V: their unsplit forms have no shared memory for the f16
-staging tiles there). H200 tests, K = V and K ≠ V: forward and every gradient within 2x of the
-f16 recurrence's error, log-decay −5 per token included.
+kernels do). H200 tests, K = V and K ≠ V: forward and every gradient within 2x of the f16
+recurrence's error, log-decay −5 per token included.
+
+Which form of each kernel stage runs (split intra, K-split backward kernels, ...) is decided by
+one plan per call, :func:`pallas_kernels.channel.plan.channel_plan` (its docstring gives the
+table and the reasons); whether the kernels serve a call at all by
+:func:`pallas_kernels.channel.plan.check_supported`.
 
 Core (:func:`_core`, a ``custom_vjp`` with a frozen :class:`ChannelConfig`) on padded lanes,
 ``N`` lanes of ``Tp`` rows (Tp % 64 == 0); with ``meta`` (packed sequences with states) N == 1
@@ -80,7 +82,8 @@ from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
-from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
+from pallas_kernels.channel.intra import channel_intra
+from pallas_kernels.channel.plan import ChannelPlan, channel_plan, check_supported
 
 __all__ = ["CHANNEL_PALLAS", "ChannelConfig", "channel_pallas", "decay_last"]
 
@@ -122,31 +125,22 @@ def kernel_beta(b: jax.Array) -> jax.Array:
 # (as in gdn_jax.ops._gdn_pallas).
 
 
-def intra_config(
-    cfg: ChannelConfig, K: int, V: int, *, store_a: bool, f16: bool = False
-) -> ChannelIntraConfig:
-    """The intra kernel's form for this core (K, V: the head sizes).
-
-    Split over two CTAs (``ChannelIntraConfig.split``) at K = V = 128 for GDN2 always and for KDA
-    when A is stored, as measured on the H200 at B4 T4096 HV16 (bench_gdn.py --stages): GDN2
-    1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA without A 1.45 vs 1.40.
-    f16 io: split at every K, V (the only form with the bf16 hi/lo operand tiles).
-    """
-    split = K == V == 128 and (store_a or not cfg.scalar_beta)
-    # f16: the decay-factored operands are bf16 hi/lo pairs, which only the split form has SMEM for
-    split = split or f16
-    return ChannelIntraConfig(scalar_beta=cfg.scalar_beta, store_a=store_a, split=split)
+def core_plan(cfg: ChannelConfig, q: jax.Array, v: jax.Array, *, store_a: bool) -> ChannelPlan:
+    """The kernels' forms for the core's q [N, Tp, H, K] and v [N, Tp, HV, V]
+    (:func:`pallas_kernels.channel.plan.channel_plan`); ``store_a``: a differentiated forward,
+    whose plan the backward runs too."""
+    K, V = q.shape[-1], v.shape[-1]
+    return channel_plan(q.dtype, K, V, scalar_beta=cfg.scalar_beta, store_a=store_a)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta=None):
     """(o, final state, products): products are the intra kernel's ``(qg, kg, wk, u, Aqk, A)``
     (the backward's inputs, A stored by the kernel) when ``with_products``, else None."""
+    plan = core_plan(cfg, q, v, store_a=with_products)
     with cfg.kernels():
-        f16 = q.dtype == jnp.float16
-        icfg = intra_config(cfg, q.shape[-1], v.shape[-1], store_a=with_products, f16=f16)
         bk = kernel_beta(b) if cfg.scalar_beta else b
-        products = channel_intra(q, k, v, G, bk, w, icfg)
+        products = channel_intra(q, k, v, G, bk, w, plan.intra_config())
         qg, kg, wk, u, aqk = products[:5]
         o, ht = channel_chunk_fwd(
             qg, kg, wk, u, aqk, decay_last(G), h0, ChannelFwdConfig(scale=cfg.scale), meta
@@ -200,10 +194,13 @@ def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
     """
     from gdn_jax.ops._channel_pallas_bwd import channel_backward_pallas
 
+    plan = core_plan(cfg, res[0], res[2], store_a=True)  # the forward's that made res
     do, dht = cts
     meta = res[7]
     with cfg.kernels():
-        grads = channel_backward_pallas(*res[:7], res[8:], do, dht, scale=cfg.scale, meta=meta)
+        grads = channel_backward_pallas(
+            *res[:7], res[8:], do, dht, meta, scale=cfg.scale, plan=plan
+        )
     return (*grads, None)
 
 
@@ -219,19 +216,6 @@ _core.defvjp(_core_fwd, _backward)
 
 # ---------------------------------------------------------------------------------------------
 # public glue
-
-
-def _unsupported(q, v, chunk_size) -> str | None:
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"{q.dtype=}: the Pallas kernels take bf16 or f16 (f32 runs on 'xla')"
-    if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
-        return f"{q.shape=} {v.shape=}: the Pallas kernels need K, V in {{64, 128}}"
-    mode = pk.execution_mode()
-    if chunk_size != CHUNK:
-        return f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
-    if mode == "auto" and not pk.is_hopper():
-        return "no Hopper GPU (and the Mosaic GPU interpreter was not requested)"
-    return None
 
 
 def _cumsum(g: jax.Array) -> jax.Array:
@@ -273,9 +257,7 @@ def channel_pallas(
     Raises:
       NotImplementedError: dtype/head size/chunk size/platform not served by these kernels.
     """
-    why = _unsupported(q, v, chunk_size)
-    if why is not None:
-        raise NotImplementedError(why)
+    check_supported(q.dtype, q.shape[-1], v.shape[-1], chunk_size)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scalar = b.shape[-1] == 1 and w.shape[-1] == 1

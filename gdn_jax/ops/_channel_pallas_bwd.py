@@ -13,6 +13,9 @@ docstring) and cotangents. Four launches plus small XLA glue:
 4. through the WY representation and A: dk, dv, dG, db, dw_gate (KDA: dβ), per chunk
                                             :func:`pallas_kernels.channel.bwd_wy.channel_bwd_wy`
 
+The form of each kernel (K-split or not) comes from the call's plan
+(:func:`pallas_kernels.channel.plan.channel_plan`, its docstring gives the table and the reasons).
+
 XLA only sums the GVA value heads of a q/k head, the dG pieces, and adds the chunk-last-row term
 e^{G_last} ⊙ Σ_v h ⊙ dh (the gradient of the state's decay). The gradient w.r.t. the per-token
 gate g is the reverse chunk-local cumsum of dG, done by autodiff of the caller's cumsum.
@@ -26,9 +29,10 @@ from gdn_jax.ops._gdn_pallas import zero_sequences_without_chunks
 from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
-from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
+from pallas_kernels.channel.bwd_wy import channel_bwd_wy
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
 from pallas_kernels.channel.intra import reference_rows
+from pallas_kernels.channel.plan import ChannelPlan
 
 __all__ = ["channel_backward_pallas"]
 
@@ -49,8 +53,7 @@ def channel_backward_pallas(
     meta=None,
     *,
     scale: float,
-    sliced: bool = False,
-    k_split: bool = True,
+    plan: ChannelPlan,
 ):
     """Gradients of the channel-decay core on padded lanes (T % 64 == 0).
 
@@ -68,16 +71,8 @@ def channel_backward_pallas(
       meta: packed sequences on one lane (N == 1): the chunk loops' [T/64, META_COLS] int32
         table (:func:`gdn_jax.ops._gdn_pallas.packed_meta`), or None.
       scale: the output scale.
-      sliced: decayed intra-chunk products with 16-deep contractions over sub-chunk slices
-        (a quarter of their tensor-core work; checked under the CPU interpreter and the CUDA
-        lowering only, never run on the GPU, hence off by default).
-      k_split: the dq/dk/dw and WY kernels run two CTAs per chunk and value head, one per
-        64-column half of K: half-size register tiles and under half the SMEM per CTA, so two
-        CTAs share an SM (bf16: K = V = 128; f16: K = 128 at either V, which f16 needs there;
-        at K = 64 the one-CTA kernels already have those tiles and run instead, f16's dq/dk/dw
-        as the split kernel's phased body on one CTA). On the H200 at B4 T4096 HV16 it halves
-        both kernels' time (2.39 vs 4.88 ms and 2.27 vs 4.34 ms, bench_gdn.py --stages), hence
-        the default.
+      plan: the forms of the kernels (:func:`pallas_kernels.channel.plan.channel_plan` of the
+        differentiated forward, ``store_a=True``).
     Returns:
       (dq, dk [N, T, H, K] in q.dtype, dv [N, T, HV, V] in v.dtype, dG [N, T, HV, K] f32,
       db (b's shape, f32), dw (w's shape, f32; None for KDA), dh0 [N, HV, K, V] f32; with
@@ -89,14 +84,6 @@ def channel_backward_pallas(
     nt = T // CHUNK
     dt = q.dtype
     scalar = w is None
-    f16 = dt == jnp.float16
-    # at K = 64 the one-CTA bf16 kernels already have [C, 64] tiles; f16 dq/dk/dw then runs the
-    # split kernel's phased body on one CTA (two CTAs per SM) instead of a one-CTA form at 144 KB.
-    # At K = 128 f16 needs the K-split forms at either V (the unsplit ones have no SMEM for its
-    # staging tiles); bf16 keeps its K-split at K = V = 128 only (the form benchmarked there; at
-    # V = 64 the unsplit kernels run, as before the K-split forms took V = 64)
-    wy_split = k_split and K == 128 and (v.shape[-1] == 128 or f16)
-    dqkw_split = wy_split or (k_split and f16 and K == 64)
     do = do.astype(dt)
     dht = dht.astype(f32)
     gr, gl = reference_rows(G)
@@ -111,7 +98,7 @@ def channel_backward_pallas(
     if meta is not None:  # rows of sequences without chunks were never written
         dh0 = zero_sequences_without_chunks(dh0, meta)
     dq, dk_a, dwk, dG_a = channel_bwd_dqkw(
-        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, sliced=sliced, k_split=dqkw_split
+        q, k, G, gr, gl, h, dh, vn, do, dvh, dvl, scale=scale, k_split=plan.dqkw_k_split
     )
     outs = channel_bwd_wy(
         k,
@@ -125,7 +112,7 @@ def channel_backward_pallas(
         dwk,
         dvh,
         dvl,
-        ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=wy_split),
+        plan.wy_config(),
     )
     if scalar:
         dk_b, dv, dG_b, dbeta = outs

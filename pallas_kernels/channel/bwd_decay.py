@@ -55,7 +55,6 @@ __all__ = [
     "HALF",
     "decay_copies",
     "decay_smem",
-    "slice_smem",
     "operand_dtype",
 ]
 
@@ -64,16 +63,6 @@ def operand_dtype(dt):
     """The SMEM dtype of the decayed products' operands (factored tile and D) for io dtype
     ``dt``: ``dt`` itself for bf16, bf16 (hi/lo pairs, f32 range) for f16."""
     return jnp.bfloat16 if dt == jnp.float16 else dt
-
-
-def slice_smem(shape, dtype, sliced: bool):
-    """A 16-bit SMEM tile; ``sliced``: 32-byte swizzle, so that 16-row slices of it are valid
-    wgmma operands with a 16-deep contraction (a 128-byte swizzle needs multiples of 64)."""
-    if not sliced:
-        return cp.smem(shape, dtype)
-    return plgpu.SMEM(
-        tuple(shape), dtype, transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-    )
 
 
 def decay_smem(C: int, n: int) -> tuple:
@@ -189,62 +178,34 @@ class Decay:
             return cp.matmul(a, b, shape)
         return cp.matmul_sum(((a, b), (a_lo, b)), shape)
 
-    def rows(self, d_s, Y, ys_s, dt_s=None, *, lo_s=None) -> jax.Array:
+    def rows(self, d_s, Y, ys_s, *, lo_s=None) -> jax.Array:
         """Z_i = Σ_j D_ij Y_j e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
 
-        Y: [C, K] f32 registers. Returns [C, K] f32. With ``dt_s`` (Dᵀ in SMEM) each sub-chunk
-        J of columns is one wgmma with a 16-deep contraction, ``D[:, J] (Y_J e^{r_J − G_J})``,
-        scaled by ``e^{G_i − r_J}`` afterwards (a quarter of the unsliced work). ``lo_s`` (f16
-        mode): the bf16 lo part of D (of Dᵀ with ``dt_s``); ``ys_s`` and D are bf16 then.
+        Y: [C, K] f32 registers. Returns [C, K] f32. ``lo_s`` (f16 mode): the bf16 lo part of D;
+        ``ys_s`` and D are bf16 then.
         """
-        C, K = self.shape
         Z = None
-        if dt_s is not None:
-            val = Y * jnp.exp(self.own_ref() - self.G())
-            for part in (0, 1):
-                self.stage(ys_s, val, part)
-                for j in range(NSUB):
-                    sl = pl.ds(SUB * j, SUB)
-                    keep = self.row >= SUB * j
-                    lo = None if lo_s is None else lo_s.at[sl].T
-                    t = self._mm(dt_s.at[sl].T, lo, ys_s.at[sl], part, (C, K))
-                    e = jnp.exp(jnp.where(keep, self.G() - self.bref(j), 0.0))
-                    t = jnp.where(keep, t * e, 0.0)
-                    Z = t if Z is None else Z + t
-            return Z
         for i in range(NSUB):
             val = Y * self.e_to(i)
             for part in (0, 1):
                 self.stage(ys_s, val, part)
-                t = jnp.where(self.in_blk(i), self._mm(d_s, lo_s, ys_s, part, (C, K)), 0.0)
+                t = jnp.where(self.in_blk(i), self._mm(d_s, lo_s, ys_s, part, self.shape), 0.0)
                 Z = t if Z is None else Z + t
         return Z * self.e_own()
 
-    def cols(self, d_s, X, xs_s, *, sliced: bool = False, lo_s=None) -> jax.Array:
+    def cols(self, d_s, X, xs_s, *, lo_s=None) -> jax.Array:
         """Z_j = Σ_i D_ij X_i e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
 
-        X: [C, K] f32 registers. Returns [C, K] f32. ``sliced``: each sub-chunk I of rows is one
-        wgmma with a 16-deep contraction ``D[I, :]ᵀ (X_I e^{G_I − r_I})``. ``lo_s`` (f16 mode):
-        the bf16 lo part of D; ``xs_s`` and D are bf16 then.
+        X: [C, K] f32 registers. Returns [C, K] f32. ``lo_s`` (f16 mode): the bf16 lo part of D;
+        ``xs_s`` and D are bf16 then.
         """
-        C, K = self.shape
         Z = None
-        if sliced:
-            val = X * self.e_own()
-            for part in (0, 1):
-                self.stage(xs_s, val, part)
-                for i in range(NSUB):
-                    sl = pl.ds(SUB * i, SUB)
-                    lo = None if lo_s is None else lo_s.at[sl].T
-                    t = self.e_to(i) * self._mm(d_s.at[sl].T, lo, xs_s.at[sl], part, (C, K))
-                    Z = t if Z is None else Z + t
-            return Z
         for i in range(NSUB):
             t = None
             val = jnp.where(self.in_blk(i), X * self.e_own(), 0.0)
             for part in (0, 1):
                 self.stage(xs_s, val, part)
-                m = self._mm(d_s.T, None if lo_s is None else lo_s.T, xs_s, part, (C, K))
+                m = self._mm(d_s.T, None if lo_s is None else lo_s.T, xs_s, part, self.shape)
                 t = m if t is None else t + m
             t = self.e_to(i) * t
             Z = t if Z is None else Z + t

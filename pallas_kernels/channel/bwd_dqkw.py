@@ -22,8 +22,8 @@ columns and the rows kh of h and dh, plus the full-V tiles v_new, do, dv2, so V 
 so two CTAs share a (chunk, value head), each computing one 64-column half of K with [64, 64]
 register tiles (dP is one cheap wgmma: each CTA forms it again). Halving the tiles removes the
 register spills of the [64, 128] form, and the scratch is cut from 221 KiB to 100 KiB per CTA at
-V = 128 (108 KiB sliced; two scoped phases share the space, see :func:`_dqkw_ksplit_body`), so
-two CTAs fit on an SM (228 KiB) and hide each other's latency.
+V = 128 (two scoped phases share the space, see :func:`_dqkw_ksplit_body`), so two CTAs fit on an
+SM (228 KiB) and hide each other's latency.
 
 f16 io (docs/design.md): h and dh arrive in **f32** (the state kernels store them f32 for f16 io;
 an f16 h/dh is accepted too) and are staged as f16 with one scale per row of the state
@@ -34,10 +34,8 @@ as bf16 hi/lo pairs (bf16 hi/lo staging, :mod:`bwd_decay`): dP's tile and the op
 bf16, with one more bf16 tile for dP's lo part. Forms serving f16:
 
 - K-split (K = 128, V ∈ {64, 128}): h and dh pass through a [64, V] f32 tile in scopes of their
-  own, in the space the phases share (dh's staging also emits dw); the sliced form runs its
-  "rows" product unsliced (no room for dPᵀ hi + lo). Mosaic's count: ≈ 111 720 B per CTA at
-  V = 128, 95 336 B at V = 64, sliced or not (bf16, V = 128: 102 488 / 110 680 B), within half
-  an SM.
+  own, in the space the phases share (dh's staging also emits dw). Mosaic's count: ≈ 111 720 B
+  per CTA at V = 128, 95 336 B at V = 64 (bf16, V = 128: 102 488 B), within half an SM.
 - K = 64 with ``k_split``: the K-split form's phased body on one CTA per (chunk, value head)
   (all 64 columns): ≈ 95 340 B (V = 64) / 111 720 B (V = 128), two CTAs per SM.
 - one CTA (K = 64, V ∈ {64, 128}, ``k_split=False``): an [K, V] f32 staging tile, dP lo and a
@@ -68,7 +66,6 @@ from pallas_kernels.channel.bwd_decay import (
     decay_copies,
     decay_smem,
     operand_dtype,
-    slice_smem,
 )
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
@@ -78,7 +75,7 @@ f32 = jnp.float32
 def _dqkw_body(
     q_g, k_g, g_g, gr_g, gl_g, h_g, dh_g, vn_g, do_g, dvh_g, dvl_g,  # inputs
     dq_g, dk_g, dw_g, dg_g,  # outputs
-    *, scale: float, group: int, sliced: bool,
+    *, scale: float, group: int,
 ):  # fmt: skip
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
@@ -111,19 +108,11 @@ def _dqkw_body(
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
 
-        def put_dp(transposed: bool):
-            """Stages dP (or dPᵀ) = scale (do v_newᵀ) ⊙ [j < i]; returns its diagonal [C] f32."""
-            if transposed:
-                m = cp.matmul(vn_s, do_s.T, (C, C))
-                strict = row < col
-            else:
-                m = cp.matmul(do_s, vn_s.T, (C, C))
-                strict = row > col
-            Decay.stage_pair(dp_s, dpl_s, jnp.where(strict, m, 0.0) * scale)
-            plgpu.commit_smem()
-            return jnp.sum(jnp.where(row == col, m, 0.0), axis=1) * scale
-
-        diag = put_dp(sliced)  # the sliced "rows" product reads dPᵀ
+        # dP = scale (do v_newᵀ) ⊙ [j < i]; its diagonal goes to dq and dk in f32
+        m = cp.matmul(do_s, vn_s.T, (C, C))
+        Decay.stage_pair(dp_s, dpl_s, jnp.where(row > col, m, 0.0) * scale)
+        plgpu.commit_smem()
+        diag = jnp.sum(jnp.where(row == col, m, 0.0), axis=1) * scale
 
         # the h products: output part of dq, and dw = −dv2 hᵀ (dv2 = hi + lo)
         dq = _unstage(cp.matmul(do_s, h_s.T, (C, K)), sc_s, 0) * (jnp.exp(dec.G()) * scale)
@@ -138,11 +127,7 @@ def _dqkw_body(
 
         q = cp.load_tile(q_s).astype(f32)
         k = cp.load_tile(k_s).astype(f32)
-        if sliced:
-            dq = dq + dec.rows(None, k, ys_s, dt_s=dp_s, lo_s=dpl_s)
-            put_dp(False)
-        else:
-            dq = dq + dec.rows(dp_s, k, ys_s, lo_s=dpl_s)
+        dq = dq + dec.rows(dp_s, k, ys_s, lo_s=dpl_s)
         r1 = dq * q  # without the diagonal (see channel_bwd_dqkw)
         dq = dq + cp.bcast_rows(diag, (C, K)) * k
         if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s)
@@ -152,7 +137,7 @@ def _dqkw_body(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         else:
             emit_tile(dq, out_s, dq_g.at[b, rows, hv, :])
-        dk = dec.cols(dp_s, q, ys_s, sliced=sliced, lo_s=dpl_s)
+        dk = dec.cols(dp_s, q, ys_s, lo_s=dpl_s)
         if scaled:  # h's products are done (wgmma waited): dh takes its tile
             _stage_state(st_s, bar.at[len(srcs) + 1], h_s, sc_s.at[1])
         else:
@@ -170,8 +155,8 @@ def _dqkw_body(
     f16 = ()
     if scaled:
         f16 = (
-            slice_smem((C, C), odt, sliced),  # dP lo
-            slice_smem((C, K), odt, sliced),  # factored-operand scratch
+            cp.smem((C, C), odt),  # dP lo
+            cp.smem((C, K), odt),  # factored-operand scratch
             cp.smem((K, V), h_g.dtype),  # h, then dh, as stored (f32)
             cp.smem((2, K), f32, swizzled=False),  # row scales of the staged h, dh
         )
@@ -185,8 +170,8 @@ def _dqkw_body(
         cp.smem((C, V), dt),  # do
         cp.smem((C, V), dt),  # dv2 hi
         cp.smem((C, V), dt),  # dv2 lo
-        slice_smem((C, C), odt, sliced),  # dP (hi)
-        slice_smem((C, K), dt, sliced),  # operand scratch (and the dw staging)
+        cp.smem((C, C), odt),  # dP (hi)
+        cp.smem((C, K), dt),  # operand scratch (and the dw staging)
         cp.smem((C, K), f32),  # f32 output staging
         plgpu.Barrier(num_barriers=11),
         *f16,
@@ -218,7 +203,7 @@ def _unstage(x, sc_s, t: int):
 def _dqkw_ksplit_body(
     q_g, k_g, g_g, gr_g, gl_g, h_g, dh_g, vn_g, do_g, dvh_g, dvl_g,  # inputs
     dq_g, dk_g, dw_g, dg_g,  # outputs
-    *, scale: float, group: int, sliced: bool, pair: bool = True,
+    *, scale: float, group: int, pair: bool = True,
 ):  # fmt: skip
     """One 64-column half kh of K for one (chunk, value head): grid ("c", "h", "b") with
     h = 2 hv + kh (the two halves of a head are neighbouring CTAs: they share v_new/do/dv2 in L2).
@@ -227,24 +212,24 @@ def _dqkw_ksplit_body(
     the dv2/do tiles (needed only for dP and the h products) and the q/k/G/output tiles (needed
     only afterwards) take turns in the same space. Bytes at K = V = 128, bf16 io (KiB = 1024 B):
 
-        always:  h then dh [64, V] 16 KiB, v_new [C, V] 16 KiB, dP 8 KiB (+ dPᵀ 8 KiB if
-                 sliced), operand/dw scratch [C, 64] 8 KiB, 11 barriers 88 B
-                                                          = 48 KiB + 88 B (56 KiB + 88 B sliced)
+        always:  h then dh [64, V] 16 KiB, v_new [C, V] 16 KiB, dP 8 KiB,
+                 operand/dw scratch [C, 64] 8 KiB, 11 barriers 88 B
+                                                          = 48 KiB + 88 B
         phase 1: do, dv2 hi, dv2 lo [C, V] 16 KiB each    = 48 KiB
         phase 2: q, k [C, 64] 8 KiB each, G [C, 64] f32 16 KiB, reference rows [4, 64] f32 1 KiB,
                  G_last 256 B, f32 output staging [C, 64] 16 KiB
                                                           = 49.25 KiB
-        peak:    always + phase 2 = 97.25 KiB (105.25 KiB sliced) + alignment padding
+        peak:    always + phase 2 = 97.25 KiB + alignment padding
 
-    Mosaic's count when lowering (bf16, with its alignment): 102488 B (110680 B sliced), against
+    Mosaic's count when lowering (bf16, with its alignment): 102488 B, against
     226392 B for :func:`_dqkw_body`; tests/pallas/test_channel_ksplit_dqkw.py checks that it stays
     within half an SM.
 
-    f16 io: the operand scratch and dP are bf16 (no dPᵀ: the "rows" product runs unsliced), plus
-    dP lo 8 KiB and the state row scales [2, 64] f32 (always: 56.5 KiB); h is staged before
-    phase 1 and dh between phases 1 and 2, each through a [64, V] f32 tile (32 KiB, + dw's 8 KiB
-    f16 staging for dh) in its own scope; dq (no GVA) leaves through the free q tile. Peak:
-    always + phase 2 = 105.75 KiB; Mosaic's count ≈ 111 720 B.
+    f16 io: the operand scratch and dP are bf16, plus dP lo 8 KiB and the state row scales
+    [2, 64] f32 (always: 56.5 KiB); h is staged before phase 1 and dh between phases 1 and 2,
+    each through a [64, V] f32 tile (32 KiB, + dw's 8 KiB f16 staging for dh) in its own scope;
+    dq (no GVA) leaves through the free q tile. Peak: always + phase 2 = 105.75 KiB; Mosaic's
+    count ≈ 111 720 B.
     """
     C, KH = CHUNK, HALF
     if pair:
@@ -258,7 +243,7 @@ def _dqkw_ksplit_body(
     row = cp.iota((C, C), 0)
     col = cp.iota((C, C), 1)
 
-    def scoped(h_s, vn_s, dp_s, dpt_s, x_s, bar1, bar2, *f16):
+    def scoped(h_s, vn_s, dp_s, x_s, bar1, bar2, *f16):
         # f16: x_s is the bf16 factored-operand scratch; dP lo, the row scales of the staged h
         # (row 0) and dh (row 1), the state loads' barriers
         dpl_s, sc_s, bar0 = f16 if scaled else (None, None, None)
@@ -284,7 +269,7 @@ def _dqkw_ksplit_body(
             stage_state(h_g, 0)
 
         def phase1(do_s, dvh_s, dvl_s):
-            """dP (and dPᵀ) to SMEM, dw out; returns the h part of dq without its e^{G} (f16:
+            """dP to SMEM, dw out; returns the h part of dq without its e^{G} (f16:
             and dw, emitted with dh's staging)."""
             srcs = [(do_g.at[b, rows, hv, :], do_s), (vn_g.at[b, rows, hv, :], vn_s)]
             if not scaled:  # f16: already staged
@@ -292,16 +277,11 @@ def _dqkw_ksplit_body(
             srcs += [(dvh_g.at[b, rows, hv, :], dvh_s), (dvl_g.at[b, rows, hv, :], dvl_s)]
             late = (len(srcs) - 2, len(srcs) - 1)
             load_tiles(srcs, bar1, late=late)  # dv2 lands while dP and do hᵀ run
-            # dP = scale (do v_newᵀ) ⊙ [j ≤ i]. do is gone after this phase, so the sliced form
-            # (rows read dPᵀ, cols dP) forms both now instead of rewriting one tile later.
-            # f16: dP as bf16 hi + lo; the rows product runs unsliced (no room for dPᵀ hi + lo).
-            # Both hold only j < i: the diagonal goes to dq and dk in f32 (see channel_bwd_dqkw).
+            # dP = scale (do v_newᵀ) ⊙ [j ≤ i] (f16: as bf16 hi + lo). The tile holds only
+            # j < i: the diagonal goes to dq and dk in f32 (see channel_bwd_dqkw).
             m = cp.matmul(do_s, vn_s.T, (C, C))
             diag = jnp.sum(jnp.where(row == col, m, 0.0), axis=1) * scale
             Decay.stage_pair(dp_s, dpl_s, jnp.where(row > col, m, 0.0) * scale)
-            if sliced and not scaled:
-                m = jnp.where(row < col, cp.matmul(vn_s, do_s.T, (C, C)), 0.0)
-                dpt_s[...] = (m * scale).astype(dt)
             plgpu.commit_smem()
             dqh = _unstage(cp.matmul(do_s, h_s.T, (C, KH)), sc_s, 0) * scale
             plgpu.barrier_wait(bar1.at[late[0]])
@@ -346,10 +326,7 @@ def _dqkw_ksplit_body(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # x_s (dw) is reused below
             q = cp.load_tile(q_s).astype(f32)
             k = cp.load_tile(k_s).astype(f32)
-            if sliced and not scaled:
-                dq = dq + dec.rows(None, k, x_s, dt_s=dpt_s)
-            else:
-                dq = dq + dec.rows(dp_s, k, x_s, lo_s=dpl_s)
+            dq = dq + dec.rows(dp_s, k, x_s, lo_s=dpl_s)
             r1 = dq * q  # without the diagonal
             dq = dq + cp.bcast_rows(diag, (C, KH)) * k
             if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s;
@@ -358,7 +335,7 @@ def _dqkw_ksplit_body(
                 emit_tile(dq.astype(dt), q_s if scaled else x_s, dq_g.at[b, rows, hv, kc])
             else:
                 emit_tile(dq, out_s, dq_g.at[b, rows, hv, kc])
-            dk = dec.cols(dp_s, q, x_s, sliced=sliced, lo_s=dpl_s)
+            dk = dec.cols(dp_s, q, x_s, lo_s=dpl_s)
             if not scaled:
                 plgpu.barrier_wait(bar2.at[5])
             dks = _unstage(cp.matmul(vn_s, h_s.T, (C, KH)), sc_s, 1) * dec.e_last()  # state dk
@@ -382,7 +359,7 @@ def _dqkw_ksplit_body(
     f16 = ()
     if scaled:
         f16 = (
-            slice_smem((C, C), odt, sliced),  # dP lo
+            cp.smem((C, C), odt),  # dP lo
             cp.smem((2, KH), f32, swizzled=False),  # row scales of the staged h, dh
             plgpu.Barrier(num_barriers=2),  # h, dh loads
         )
@@ -390,9 +367,8 @@ def _dqkw_ksplit_body(
         scoped,
         cp.smem((KH, V), dt),  # h, then dh (rows kh of the state)
         cp.smem((C, V), dt),  # v_new
-        slice_smem((C, C), odt, sliced),  # dP (hi)
-        slice_smem((C, C), dt, sliced) if sliced and not scaled else None,  # dPᵀ (sliced rows)
-        slice_smem((C, KH), odt, sliced),  # operand scratch (and the dw / bf16 dq staging)
+        cp.smem((C, C), odt),  # dP (hi)
+        cp.smem((C, KH), odt),  # operand scratch (and the dw / bf16 dq staging)
         plgpu.Barrier(num_barriers=5),  # phase 1 loads
         plgpu.Barrier(num_barriers=6),  # phase 2 loads
         *f16,
@@ -413,7 +389,6 @@ def channel_bwd_dqkw(
     dv2_lo,
     *,
     scale: float,
-    sliced: bool = False,
     k_split: bool = False,
 ):
     """dq, dk (output/state parts), dw and the gate gradient pieces for every chunk.
@@ -427,7 +402,6 @@ def channel_bwd_dqkw(
         leaving each chunk).
       v_new, do, dv2_hi, dv2_lo: [B, T, HV, V] io dtype.
       scale: output scale.
-      sliced: form the decayed products with 16-deep contractions over sub-chunk slices.
       k_split: two CTAs per (chunk, value head), each computing one 64-column half of K
         (K = 128; same outputs, half the registers and SMEM per CTA). At K = 64 it is ignored
         for bf16 (the one-CTA form already works on [64, 64] tiles); for f16 it selects the
@@ -470,12 +444,12 @@ def channel_bwd_dqkw(
     if phased:
 
         def body(*refs):
-            _dqkw_ksplit_body(*refs, scale=scale, group=HV // H, sliced=sliced, pair=pair)
+            _dqkw_ksplit_body(*refs, scale=scale, group=HV // H, pair=pair)
 
     else:
 
         def body(*refs):
-            _dqkw_body(*refs, scale=scale, group=HV // H, sliced=sliced)
+            _dqkw_body(*refs, scale=scale, group=HV // H)
 
     fn = per_chunk_kernel(body, out_type, chunks=nt, HV=HV, B=B, name="chan_bwd_dqkw", pair=pair)
     return fn(q, k, g_cum, gr, gl, h, dh, v_new, do, dv2_hi, dv2_lo)

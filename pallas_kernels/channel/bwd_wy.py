@@ -57,7 +57,6 @@ from pallas_kernels.channel.bwd_decay import (
     decay_copies,
     decay_smem,
     operand_dtype,
-    slice_smem,
 )
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
@@ -70,7 +69,6 @@ class ChannelBwdWyConfig:
 
     Attributes:
       scalar_beta: KDA (one β per token and value head, [B, HV, T]); else GDN2 gates.
-      sliced: form the decayed "cols" product with 16-deep contractions over sub-chunk slices.
       k_split: two CTAs per (chunk, value head), each producing one 64-column half of the key-
         side outputs and (V = 128) of the value-side ones (K = 128, V ∈ {64, 128} only): [C, 64]
         register tiles and ≤ 90 KB of SMEM per CTA (bf16), so two CTAs share an SM (see
@@ -78,11 +76,10 @@ class ChannelBwdWyConfig:
     """
 
     scalar_beta: bool = False
-    sliced: bool = False
     k_split: bool = False
 
     def __post_init__(self):
-        for name in ("scalar_beta", "sliced", "k_split"):
+        for name in ("scalar_beta", "k_split"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ChannelBwdWyConfig.{name}={getattr(self, name)!r} must be a bool")
 
@@ -130,7 +127,7 @@ def _wy_refs(refs, scalar: bool) -> tuple:
     return k, v, g, gr, gl, None, b, wg, a, dw, duh, dul, dk, dv, dg, None, db, dwg
 
 
-def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
+def _wy_body(*refs, scalar: bool, group: int):
     (k_g, v_g, g_g, gr_g, gl_g, be_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g,
      dk_g, dv_g, dg_g, dbe_g, db_g, dwg_g) = _wy_refs(refs, scalar)  # fmt: skip
     C = CHUNK
@@ -212,7 +209,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         dbk_l = dec.rows(dl_s, k, ys_s, lo_s=dll_s)
         dbk = dkbg * eG + dbk_l
         dG = (dkbg * eG + dbk_l) * bk  # = dkbg ⊙ bk e^G + dbk_L ⊙ bk
-        dkl = dec.cols(dl_s, bk, ys_s, sliced=sliced, lo_s=dll_s)
+        dkl = dec.cols(dl_s, bk, ys_s, lo_s=dll_s)
         dG = dG - dkl * k
         emit_tile(dG, out_s, dg_g.at[b, rows, hv, :])
         dbk_k = dbk * k
@@ -237,26 +234,24 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
         n_bar = 11
     extra = []  # V != K: the [C, V] operand scratch (and GDN2's [C, K] f32 staging)
     if V != K:
-        extra.append(slice_smem((C, V), dt, sliced))
+        extra.append(cp.smem((C, V), dt))
         if not scalar:
             extra.append(cp.smem((C, K), f32))
     if dt == jnp.float16:  # dL hi, dL lo, the factored-operand scratch (bf16)
         odt = operand_dtype(dt)
-        extra += [slice_smem((C, C), odt, sliced)] * 2 + [slice_smem((C, K), odt, sliced)]
+        extra += [cp.smem((C, C), odt)] * 2 + [cp.smem((C, K), odt)]
     pl.run_scoped(
         scoped,
         cp.smem((C, K), dt),  # k
         cp.smem((C, V), dt),  # v
         *decay_smem(C, K),  # G, reference rows, G_last
         gate,  # β, or (b, w_gate)
-        # the wgmma operands share one swizzle (32 bytes when sliced: 16-row slices of the
-        # operand scratch and of dL feed 16-deep contractions)
-        slice_smem((C, C), dt, sliced),  # A
-        slice_smem((C, K), dt, sliced),  # dw
-        slice_smem((C, V), dt, sliced),  # du hi
-        slice_smem((C, V), dt, sliced),  # du lo
-        slice_smem((C, K), dt, sliced),  # operand scratch
-        slice_smem((C, C), dt, sliced),  # dA, dA Aᵀ (hi, lo), then dL
+        cp.smem((C, C), dt),  # A
+        cp.smem((C, K), dt),  # dw
+        cp.smem((C, V), dt),  # du hi
+        cp.smem((C, V), dt),  # du lo
+        cp.smem((C, K), dt),  # operand scratch
+        cp.smem((C, C), dt),  # dA, dA Aᵀ (hi, lo), then dL
         cp.smem((C, K), f32) if scalar else cp.smem((8,), f32),  # f32 staging (KDA)
         cp.smem((C,), f32),  # dβ (KDA)
         plgpu.Barrier(num_barriers=n_bar),
@@ -268,7 +263,7 @@ def _wy_body(*refs, scalar: bool, group: int, sliced: bool):
 # K-split form: two CTAs per (chunk, value head, batch row), each owning one 64-column half.
 
 
-def _split_body(*refs, scalar: bool, group: int, sliced: bool):
+def _split_body(*refs, scalar: bool, group: int):
     """One CTA per (chunk, value head, K-half): grid axis "h" runs over 2·HV, h = 2 hv + kh.
 
     Each CTA forms the whole [C, C] dA (a contraction over all of K and V, done in 64-column
@@ -377,8 +372,8 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
 
             return pl.run_scoped(
                 scoped,
-                slice_smem((C, H2), dt, sliced),  # du hi
-                slice_smem((C, H2), dt, sliced),  # du lo
+                cp.smem((C, H2), dt),  # du hi
+                cp.smem((C, H2), dt),  # du lo
                 cp.smem((C, H2), dt),  # v
                 cp.smem((8,), f32) if scalar else cp.smem((C, H2), f32),  # w_gate (GDN2)
             )
@@ -424,7 +419,7 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
                     def k_tile():
                         return cp.load_tile(k_s).astype(f32)
 
-                    dkl = dec.cols(dl_s, gate_tile() * k_tile(), ys_s, sliced=sliced, lo_s=dll_s)
+                    dkl = dec.cols(dl_s, gate_tile() * k_tile(), ys_s, lo_s=dll_s)
                     st_s[...] = dkl  # read back below by the same threads, in the same layout
                     plgpu.commit_smem()
                     dbk = dec.rows(dl_s, k_tile(), ys_s, lo_s=dll_s)
@@ -455,13 +450,13 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
                 # (bf16) take turns in one space (the SMEM of two CTAs per SM)
                 dL = pl.run_scoped(
                     lambda m_s: _neg_inverse_product(dec, m_s, a_s, dA_out),
-                    slice_smem((C, C), dt, sliced),
+                    cp.smem((C, C), dt),
                 )
                 pl.run_scoped(
                     lambda *tiles: tail(*tiles, dL),
-                    slice_smem((C, C), odt, sliced),  # dL hi
-                    slice_smem((C, C), odt, sliced),  # dL lo
-                    slice_smem((C, H2), odt, sliced),  # factored-operand scratch
+                    cp.smem((C, C), odt),  # dL hi
+                    cp.smem((C, C), odt),  # dL lo
+                    cp.smem((C, H2), odt),  # factored-operand scratch
                 )
                 return dA_out
 
@@ -470,7 +465,7 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
                 cp.smem((C, H2), dt),  # k
                 cp.smem((C, H2), f32),  # G
                 cp.smem((8,), f32) if scalar else cp.smem((C, H2), f32),  # b (GDN2)
-                slice_smem((C, H2), dt, sliced),  # dw
+                cp.smem((C, H2), dt),  # dw
                 cp.smem((NSUB, H2) if is_own else (8,), f32, swizzled=False),  # reference rows
                 cp.smem((H2,) if is_own else (8,), f32),  # G_last
                 cp.smem((C, H2) if is_own else (8,), f32),  # f32 output staging
@@ -490,10 +485,10 @@ def _split_body(*refs, scalar: bool, group: int, sliced: bool):
     n_bar += (3 if scalar else 4) * 2 + 2
     pl.run_scoped(
         outer,
-        slice_smem((C, C), dt, sliced),  # A
-        slice_smem((C, HALF), dt, sliced),  # operand scratch (dA operands, dv, decay products)
+        cp.smem((C, C), dt),  # A
+        cp.smem((C, HALF), dt),  # operand scratch (dA operands, dv, decay products)
         # dA, dA Aᵀ (hi, lo), then dL (f16: in the own K-half pass, see k_pass)
-        None if scaled else slice_smem((C, C), dt, sliced),
+        None if scaled else cp.smem((C, C), dt),
         cp.smem((C,), f32),  # dβ (KDA)
         cp.smem((C,) if scalar else (8,), f32),  # β (KDA)
         plgpu.Barrier(num_barriers=n_bar),
@@ -538,7 +533,7 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
             out_type[3] = S((B, 2 * HV, T), f32)
 
         def split_body(*refs):
-            _split_body(*refs, scalar=config.scalar_beta, group=HV // H, sliced=config.sliced)
+            _split_body(*refs, scalar=config.scalar_beta, group=HV // H)
 
         fn = per_chunk_kernel(
             split_body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_bwd_wy",
@@ -558,7 +553,7 @@ def channel_bwd_wy(k, v, g_cum, gr, gl, b, w_gate, A, dw, du_hi, du_lo, config):
         )
 
     def body(*refs):
-        _wy_body(*refs, scalar=config.scalar_beta, group=HV // H, sliced=config.sliced)
+        _wy_body(*refs, scalar=config.scalar_beta, group=HV // H)
 
     fn = per_chunk_kernel(body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_bwd_wy")
     return tuple(fn(*ins))

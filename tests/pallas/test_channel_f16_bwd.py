@@ -128,16 +128,16 @@ def factored_max(G) -> float:
     return m
 
 
-def _dqkw(x, out, scale, *, sliced, k_split):
+def _dqkw(x, out, scale, *, k_split):
     o = channel_bwd_dqkw(
         x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], out["dh"], x["vn"], x["do"],
-        out["dvh"], out["dvl"], scale=scale, sliced=sliced, k_split=k_split,
+        out["dvh"], out["dvl"], scale=scale, k_split=k_split,
     )  # fmt: skip
     return dict(zip(DQKW_OUTS, o, strict=True))
 
 
-def _wy(x, out, *, sliced, k_split):
-    cfg = ChannelBwdWyConfig(scalar_beta=x["w"] is None, sliced=sliced, k_split=k_split)
+def _wy(x, out, *, k_split):
+    cfg = ChannelBwdWyConfig(scalar_beta=x["w"] is None, k_split=k_split)
     return channel_bwd_wy(
         x["k"], x["v"], x["G"], x["gr"], x["gl"], x["bk"], x["w"], x["A"], out["dwk"],
         out["dvh"], out["dvl"], cfg,
@@ -155,29 +155,27 @@ def _compare(tag, got: dict, ref: dict, tol: float):
     assert not bad, (bad, "; ".join(report))
 
 
-def check_dqkw(x, out, *, sliced, k_split, tol=TOL, jit=True):
+def check_dqkw(x, out, *, k_split, tol=TOL, jit=True):
     scale = x["q"].shape[-1] ** -0.5
-    run = (cached_jit if jit else functools.partial)(
-        _dqkw, scale=scale, sliced=sliced, k_split=k_split
-    )
+    run = (cached_jit if jit else functools.partial)(_dqkw, scale=scale, k_split=k_split)
     got = run(x, out)
     HV, H = x["v"].shape[2], x["q"].shape[2]
     assert got["dq"].dtype == (f16 if HV == H else f32) and got["dw"].dtype == f16
     ref = kernel_refs(x, out, scale, jit=jit)
-    _compare(f"dqkw {sliced=} {k_split=}", got, ref, tol)
+    _compare(f"dqkw {k_split=}", got, ref, tol)
 
 
 def wy_names(scalar):
     return ("dk(wy)", "dv", "dG(wy)") + (("dbeta",) if scalar else ("db", "dw_gate"))
 
 
-def check_wy(x, out, *, sliced, k_split, tol=TOL, jit=True):
+def check_wy(x, out, *, k_split, tol=TOL, jit=True):
     scale = x["q"].shape[-1] ** -0.5
-    got = (cached_jit if jit else functools.partial)(_wy, sliced=sliced, k_split=k_split)(x, out)
+    got = (cached_jit if jit else functools.partial)(_wy, k_split=k_split)(x, out)
     assert got[1].dtype == f16
     ref = kernel_refs(x, out, scale, jit=jit)
     names = wy_names(x["w"] is None)
-    _compare(f"wy {sliced=} {k_split=}", dict(zip(names, got, strict=True)), ref, tol)
+    _compare(f"wy {k_split=}", dict(zip(names, got, strict=True)), ref, tol)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,51 +199,47 @@ def test_inputs_exceed_f16():
 
 
 @pytest.mark.parametrize(
-    "HV,g_val,sliced,wide,k_split",
+    "HV,g_val,wide,k_split",
     [
-        (1, -5.0, False, False, False),  # f16 dq, N(0, 1) states
-        (1, -5.0, True, False, True),
-        (2, 0.0, True, True, False),  # GVA (f32 dq), wide states, sliced products
-        (2, -5.0, False, True, True),
+        (1, -5.0, False, False),  # f16 dq, N(0, 1) states
+        (1, -5.0, False, True),
+        (2, 0.0, True, False),  # GVA (f32 dq), wide states
+        (2, -5.0, True, True),
     ],
 )
-def test_interpret_dqkw_k64(HV, g_val, sliced, wide, k_split):
+def test_interpret_dqkw_k64(HV, g_val, wide, k_split):
     """K = 64: the one-CTA form, and (k_split, f16 only) the split form's phased body on one
     CTA per (chunk, value head)."""
     x, out = f16_inputs(1, "kda", 128, 1, HV, 64, g_val, wide_state=wide)
-    run_interpreted(lambda: check_dqkw(x, out, sliced=sliced, k_split=k_split, jit=False))
+    run_interpreted(lambda: check_dqkw(x, out, k_split=k_split, jit=False))
 
 
 @pytest.mark.parametrize(
-    "HV,g_val,sliced,wide,V",
-    [(1, -5.0, False, False, 128), (2, 0.0, True, True, 128), (2, -5.0, True, True, 128),
-     (1, -5.0, False, True, 64), (2, 0.0, True, False, 64)],
+    "HV,g_val,wide,V",
+    [(1, -5.0, False, 128), (2, 0.0, True, 128), (2, -5.0, True, 128), (1, -5.0, True, 64),
+     (2, 0.0, False, 64)],
 )  # fmt: skip
-def test_interpret_dqkw_ksplit_k128(HV, g_val, sliced, wide, V):
-    """K = 128: the K-split form (two CTAs per chunk and value head, each with all V columns;
-    f16 runs the sliced form's "rows" product unsliced)."""
+def test_interpret_dqkw_ksplit_k128(HV, g_val, wide, V):
+    """K = 128: the K-split form (two CTAs per chunk and value head, each with all V columns)."""
     x, out = f16_inputs(2, "gdn2", 64, 1, HV, 128, g_val, wide_state=wide, V=V)
-    run_interpreted(lambda: check_dqkw(x, out, sliced=sliced, k_split=True, jit=False))
+    run_interpreted(lambda: check_dqkw(x, out, k_split=True, jit=False))
 
 
-@pytest.mark.parametrize(
-    "variant,HV,g_val,sliced", [("kda", 1, -5.0, False), ("gdn2", 2, 0.0, True)]
-)
-def test_interpret_wy_k64(variant, HV, g_val, sliced):
+@pytest.mark.parametrize("variant,HV,g_val", [("kda", 1, -5.0), ("gdn2", 2, 0.0)])
+def test_interpret_wy_k64(variant, HV, g_val):
     x, out = f16_inputs(3, variant, 128, 1, HV, 64, g_val)
-    run_interpreted(lambda: check_wy(x, out, sliced=sliced, k_split=False, jit=False))
+    run_interpreted(lambda: check_wy(x, out, k_split=False, jit=False))
 
 
 @pytest.mark.parametrize(
-    "variant,HV,g_val,sliced,V",
-    [("gdn2", 1, -5.0, False, 128), ("kda", 2, 0.0, True, 128), ("gdn2", 2, 0.0, True, 64),
-     ("kda", 1, -5.0, False, 64)],
+    "variant,HV,g_val,V",
+    [("gdn2", 1, -5.0, 128), ("kda", 2, 0.0, 128), ("gdn2", 2, 0.0, 64), ("kda", 1, -5.0, 64)],
 )  # fmt: skip
-def test_interpret_wy_ksplit_k128(variant, HV, g_val, sliced, V):
+def test_interpret_wy_ksplit_k128(variant, HV, g_val, V):
     """K = 128: the K-split form; at V = 64 both CTAs form dA's V part whole and the first
     K-half's writes dv, dw_gate (KDA: its partial dβ alone holds the V part)."""
     x, out = f16_inputs(4, variant, 64, 1, HV, 128, g_val, V=V)
-    run_interpreted(lambda: check_wy(x, out, sliced=sliced, k_split=True, jit=False))
+    run_interpreted(lambda: check_wy(x, out, k_split=True, jit=False))
 
 
 def _da_max(x, out) -> float:
@@ -270,7 +264,7 @@ def test_interpret_wy_large_dA(variant, K, k_split):
     T = 128 if K == 64 else 64
     x, out = f16_inputs(7, variant, T, 1, 1, K, -5.0, wide_state=False, big_da=True)
     assert _da_max(x, out) > F16_MAX
-    run_interpreted(lambda: check_wy(x, out, sliced=False, k_split=k_split, jit=False))
+    run_interpreted(lambda: check_wy(x, out, k_split=k_split, jit=False))
 
 
 def test_interpret_negative_controls(monkeypatch):
@@ -284,7 +278,7 @@ def test_interpret_negative_controls(monkeypatch):
     scale = 64**-0.5
     with monkeypatch.context() as m:
         m.setattr(dqkw_mod, "operand_dtype", lambda dt: dt)
-        got = run_interpreted(lambda: _dqkw(x, out, scale, sliced=False, k_split=False))
+        got = run_interpreted(lambda: _dqkw(x, out, scale, k_split=False))
     ref = _kernel_refs(x, out, scale)
     assert rel_rms(got["dq"], ref["dq"]) > TOL and rel_rms(got["dk"], ref["dk"]) > TOL
 
@@ -296,7 +290,7 @@ def test_interpret_negative_controls(monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(wy_mod, "f16_stage_scales", unit_scales)
-        got = run_interpreted(lambda: _wy(x, out, sliced=False, k_split=False))
+        got = run_interpreted(lambda: _wy(x, out, k_split=False))
     ref = _kernel_refs(x, out, scale)
     assert rel_rms(got[0], ref["dk(wy)"]) > TOL
 
@@ -327,22 +321,20 @@ def _lowers(f, args, limit, name):
     assert len(calls) == 1 and re.search(rf"\\00{name}\\00", calls[0]), len(calls)
 
 
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("H,HV,V", [(2, 2, 128), (2, 4, 128), (2, 4, 64)])
-def test_dqkw_ksplit_lowers(H, HV, V, sliced):
+def test_dqkw_ksplit_lowers(H, HV, V):
     """K = 128, k_split: two CTAs per SM (Mosaic's count: 111 720 B per CTA at V = 128,
     95 336 B at V = 64)."""
-    f = functools.partial(channel_bwd_dqkw, scale=0.125, sliced=sliced, k_split=True)
+    f = functools.partial(channel_bwd_dqkw, scale=0.125, k_split=True)
     _lowers(f, _dqkw_shapes(1, 192, H, HV, 128, V), SMEM_TWO_CTAS, "chan_bwd_dqkw")
 
 
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("V", [64, 128])
 @pytest.mark.parametrize("k_split", [True, False])
-def test_dqkw_k64_lowers(k_split, V, sliced):
+def test_dqkw_k64_lowers(k_split, V):
     """K = 64: with k_split the phased body on one CTA, two CTAs per SM (Mosaic's count:
     95 340 B at V = 64, 111 720 B at V = 128); without, the one-CTA form, one CTA per SM."""
-    f = functools.partial(channel_bwd_dqkw, scale=0.125, sliced=sliced, k_split=k_split)
+    f = functools.partial(channel_bwd_dqkw, scale=0.125, k_split=k_split)
     limit = SMEM_TWO_CTAS if k_split else SMEM_ONE_CTA
     _lowers(f, _dqkw_shapes(1, 192, 2, 4, 64, V), limit, "chan_bwd_dqkw")
 
@@ -364,23 +356,21 @@ def _wy_shapes(B, T, H, HV, K, V, scalar):
     return k, v, G, gr, gl, b, w, A, dw, du, du
 
 
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("V", [128, 64])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_wy_ksplit_lowers(variant, V, sliced):
+def test_wy_ksplit_lowers(variant, V):
     """K = 128, k_split: two CTAs per SM (Mosaic's count, KDA / GDN2: 97 410 / 110 740 B at
     V = 128, 97 384 / 110 712 B at V = 64)."""
-    cfg = ChannelBwdWyConfig(scalar_beta=variant == "kda", sliced=sliced, k_split=True)
+    cfg = ChannelBwdWyConfig(scalar_beta=variant == "kda", k_split=True)
     f = lambda *a: channel_bwd_wy(*a, cfg)
     args = _wy_shapes(1, 128, 2, 4, 128, V, variant == "kda")
     _lowers(f, args, SMEM_TWO_CTAS, "chan_bwd_wy")
 
 
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_wy_k64_lowers(variant, sliced):
+def test_wy_k64_lowers(variant):
     """K = 64, the unsplit form: one CTA per SM with the f16 staging tiles."""
-    cfg = ChannelBwdWyConfig(scalar_beta=variant == "kda", sliced=sliced)
+    cfg = ChannelBwdWyConfig(scalar_beta=variant == "kda")
     f = lambda *a: channel_bwd_wy(*a, cfg)
     for V in (64, 128):
         args = _wy_shapes(1, 128, 2, 4, 64, V, variant == "kda")
@@ -399,14 +389,14 @@ def test_wy_unsplit_k128_not_implemented():
 # GPU (H200): realistic shapes (not run on CPU)
 
 
-# GPU: the forms the op runs (K-split at K = 128, the phased form at K = 64; unsliced), GVA,
+# GPU: the forms the op runs (K-split at K = 128, the phased form at K = 64), GVA,
 # -5 per token and random gates; the interpreter tests above cover the rest of the grid.
 @pytest.mark.gpu
 @pytest.mark.parametrize("g_val", [-5.0, None])
 @pytest.mark.parametrize("K", [128, 64])
 def test_gpu_dqkw_f16(K, g_val):
     x, out = f16_inputs(5, "kda", 1024, 4, 8, K, g_val, wide_state=True)
-    check_dqkw(x, out, sliced=False, k_split=True)
+    check_dqkw(x, out, k_split=True)
 
 
 @pytest.mark.gpu
@@ -415,4 +405,4 @@ def test_gpu_dqkw_f16(K, g_val):
 @pytest.mark.parametrize("K", [128, 64])
 def test_gpu_wy_f16(K, variant, g_val):
     x, out = f16_inputs(6, variant, 1024, 4, 8, K, g_val)
-    check_wy(x, out, sliced=False, k_split=K == 128)
+    check_wy(x, out, k_split=K == 128)

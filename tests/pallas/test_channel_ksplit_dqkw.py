@@ -41,22 +41,22 @@ def _dh(x, scale):
     return dh, dvh, dvl
 
 
-def _dqkw(x, dh, dvh, dvl, scale, *, sliced, k_split):
+def _dqkw(x, dh, dvh, dvl, scale, *, k_split):
     out = channel_bwd_dqkw(
         x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], dh, x["vn"], x["do"], dvh, dvl,
-        scale=scale, sliced=sliced, k_split=k_split,
+        scale=scale, k_split=k_split,
     )  # fmt: skip
     return dict(zip(OUTS, out, strict=True))
 
 
-def check_ksplit(x, *, sliced, tol_split, tol_ref, jit=True):
+def check_ksplit(x, *, tol_split, tol_ref, jit=True):
     """k_split=True against k_split=False (``tol_split``) and against the jnp formulas
     (``tol_ref``), every output, relative RMS."""
     x = dict(x)
     scale = x.pop("cfg").scale
     dh, dvh, dvl = _dh(x, scale)
     run_s, run_u = (
-        (cached_jit if jit else functools.partial)(_dqkw, scale=scale, sliced=sliced, k_split=s)
+        (cached_jit if jit else functools.partial)(_dqkw, scale=scale, k_split=s)
         for s in (True, False)
     )
     split = run_s(x, dh, dvh, dvl)
@@ -76,7 +76,7 @@ def check_ksplit(x, *, sliced, tol_split, tol_ref, jit=True):
                       f"(plain/ref {e_plain:.1e})")  # fmt: skip
         if not (e_split <= tol_split and e_ref <= tol_ref):
             bad.append(name)
-    print(f"k_split {sliced=}", "; ".join(report), flush=True)
+    print("k_split", "; ".join(report), flush=True)
     assert not bad, (bad, "; ".join(report))
 
 
@@ -85,16 +85,16 @@ def check_ksplit(x, *, sliced, tol_split, tol_ref, jit=True):
 
 
 @pytest.mark.parametrize(
-    "H,HV,sliced",
+    "H,HV",
     [
-        (1, 1, False),  # dq in the io dtype
-        (1, 2, True),  # GVA: f32 dq (summed over value heads by the caller), sliced products
+        (1, 1),  # dq in the io dtype
+        (1, 2),  # GVA: f32 dq (summed over value heads by the caller)
     ],
 )
-def test_interpret_ksplit_matches(H, HV, sliced):
+def test_interpret_ksplit_matches(H, HV):
     with pk.use_mode("interpret"):
         x = run_interpreted(lambda: _kernel_inputs(5, "kda", 1, 128, H, HV, 128))
-    run_interpreted(lambda: check_ksplit(x, sliced=sliced, tol_split=1e-4, tol_ref=2e-2, jit=False))
+    run_interpreted(lambda: check_ksplit(x, tol_split=1e-4, tol_ref=2e-2, jit=False))
 
 
 def test_ksplit_k64_falls_back():
@@ -141,12 +141,11 @@ def _smem_limit(limit):
     return hook(limit)
 
 
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("H,HV", [(2, 2), (2, 4)])
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
-def test_ksplit_lowers_for_cuda(H, HV, sliced, dt):
+def test_ksplit_lowers_for_cuda(H, HV, dt):
     """Lowers with at most half an SM's shared memory per CTA (two CTAs per SM)."""
-    f = functools.partial(channel_bwd_dqkw, scale=0.125, sliced=sliced, k_split=True)
+    f = functools.partial(channel_bwd_dqkw, scale=0.125, k_split=True)
     with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
         txt = jax.jit(f).trace(*_shapes(1, 192, H, HV, 128, dt)).lower(
             lowering_platforms=("cuda",)

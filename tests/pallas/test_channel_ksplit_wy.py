@@ -32,22 +32,22 @@ def _names(scalar: bool) -> tuple[str, ...]:
     return ("dk(wy)", "dv", "dG(wy)") + (("dbeta",) if scalar else ("db", "dw_gate"))
 
 
-def _split_wy(x, out, *, sliced: bool):
+def _split_wy(x, out):
     """channel_bwd_wy with k_split on the upstream kernels' dw / dv2 (hi, lo)."""
-    cfg = ChannelBwdWyConfig(scalar_beta=x["w"] is None, sliced=sliced, k_split=True)
+    cfg = ChannelBwdWyConfig(scalar_beta=x["w"] is None, k_split=True)
     return channel_bwd_wy(
         x["k"], x["v"], x["G"], x["gr"], x["gl"], x["bk"], x["w"], x["A"], out["dwk"],
         out["dvh"], out["dvl"], cfg,
     )  # fmt: skip
 
 
-def check_split(x, *, sliced: bool, tol: float, jit: bool = True):
+def check_split(x, *, tol: float, jit: bool = True):
     """K-split outputs vs the unsplit kernel's and vs the jnp formulas (relative RMS ≤ tol)."""
     x = dict(x)
     scale = x.pop("cfg").scale
     scalar = x["w"] is None
-    out = _kernel_outputs(x, scale, sliced)  # bwd_dh, bwd_dqkw, unsplit bwd_wy
-    got = (cached_jit if jit else functools.partial)(_split_wy, sliced=sliced)(x, out)
+    out = _kernel_outputs(x, scale)  # bwd_dh, bwd_dqkw, unsplit bwd_wy
+    got = (cached_jit if jit else functools.partial)(_split_wy)(x, out)
     ref = kernel_refs(x, out, scale, jit=jit)
     report, bad = [], []
     for name, mine, unsplit in zip(_names(scalar), got, out["wy"], strict=True):
@@ -66,11 +66,11 @@ def check_split(x, *, sliced: bool, tol: float, jit: bool = True):
 # test_channel_f16_bwd)
 
 
-@pytest.mark.parametrize("variant,sliced", [("kda", False), ("gdn2", True)])
-def test_interpret_split_matches_unsplit(variant, sliced):
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_interpret_split_matches_unsplit(variant):
     with pk.use_mode("interpret"):
         x = run_interpreted(lambda: _kernel_inputs(5, variant, 1, 128, 1, 2, 128))
-        run_interpreted(lambda: check_split(x, sliced=sliced, tol=1e-2, jit=False))
+        run_interpreted(lambda: check_split(x, tol=1e-2, jit=False))
 
 
 def test_k_split_needs_k128():
@@ -95,9 +95,8 @@ def test_config_validates_k_split():
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, the SMEM budget)
 
 
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_split_lowers_for_cuda(variant, sliced):
+def test_split_lowers_for_cuda(variant):
     B, T, H, HV, K = 1, 128, 2, 4, 128
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     scalar = variant == "kda"
@@ -106,7 +105,7 @@ def test_split_lowers_for_cuda(variant, sliced):
     b = S((B, HV, T), f32) if scalar else S((B, T, HV, K), f32)
     w = None if scalar else S((B, T, HV, K), f32)
     A, dw = S((B, T, HV, 64), bf), S((B, T, HV, K), bf)
-    cfg = ChannelBwdWyConfig(scalar_beta=scalar, sliced=sliced, k_split=True)
+    cfg = ChannelBwdWyConfig(scalar_beta=scalar, k_split=True)
     f = lambda *a: channel_bwd_wy(*a, cfg)
     with pk.cuda_lowering_mesh():
         txt = jax.jit(f).trace(k, v, G, gr, gl, b, w, A, dw, dw, dw).lower(

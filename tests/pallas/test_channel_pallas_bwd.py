@@ -13,6 +13,7 @@ driver :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`. Three le
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -57,29 +58,35 @@ def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0):
     return cfg, (q, k, v, G, b, w, h0), (do, dht)
 
 
-def _core_fns(cfg, sliced, k_split):
+def core_plan(cfg, res, *, whole: bool):
+    """The plan the op's backward runs for these residuals; ``whole``: with the one-CTA dq/dk/dw
+    and the unsplit WY kernels forced instead (the forms it does not pick at K = V = 128)."""
+    plan = cpm.core_plan(cfg, res[0], res[2], store_a=True)
+    return dataclasses.replace(plan, dqkw="one_cta", wy_split=False) if whole else plan
+
+
+def _core_fns(cfg, whole):
     def xla_vjp(res, cts):  # the xla core computes in its inputs' dtype: f32 inputs, f32 core
         _, vjp = jax.vjp(lambda *a: cpm._xla_core(cfg, *a), *res)
         return vjp(cts)
 
     def mine(res, cts):  # the forward kernels' products, then the backward driver
         products = cpm._forward(cfg, True, *res)[2]
-        return channel_backward_pallas(
-            *res, products, *cts, scale=cfg.scale, sliced=sliced, k_split=k_split
-        )
+        plan = core_plan(cfg, res, whole=whole)
+        return channel_backward_pallas(*res, products, *cts, scale=cfg.scale, plan=plan)
 
     return xla_vjp, mine
 
 
 @functools.cache
-def _core_programs(cfg, sliced, k_split):
+def _core_programs(cfg, whole):
     """The compiled xla core VJP (a reference) and driver, shared by every case of their shapes;
     cotangents are arguments: as closure constants XLA would constant-fold them (slow)."""
-    xla_vjp, mine = _core_fns(cfg, sliced, k_split)
+    xla_vjp, mine = _core_fns(cfg, whole)
     return reference_jit(xla_vjp), jax.jit(mine)
 
 
-def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False, k_split=True):
+def check_core(cfg, res, cts, *, floor=1e-2, jit=True, whole=False):
     """Driver vs the xla core's VJP: error(driver, f32 core) <= 2 error(bf16 core, f32 core) +
     floor. The inputs are already bf16 here, so the bf16 core differs from the f32 one only where
     it rounds operands (its state-gradient loop is f32: its dh0 error is ~1e-6); the kernels stage
@@ -87,9 +94,9 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True, sliced=False, k_split=Tru
     hence the floor. The op-level tests apply the strict 2x rule against the recurrent oracle."""
     up = lambda x: None if x is None else x.astype(f32)
     if jit:
-        xla_vjp, mine = _core_programs(cfg, sliced, k_split)
+        xla_vjp, mine = _core_programs(cfg, whole)
     else:
-        xla_vjp, mine = _core_fns(cfg, sliced, k_split)
+        xla_vjp, mine = _core_fns(cfg, whole)
     ref32 = xla_vjp(tuple(up(x) for x in res), cts)
     ref_lo = xla_vjp(res, cts)
     with pk.use_mode(cfg.mode):
@@ -116,12 +123,12 @@ def check_op(variant, x, cu, cts, *, floor=1e-5, jit=True):
 # CPU: Mosaic GPU interpreter (tiny shapes)
 
 
-@pytest.mark.parametrize("variant,sliced", [("gdn2", False), ("kda", True)])
-def test_interpret_core_grads(variant, sliced):
+@pytest.mark.parametrize("variant", ["gdn2", "kda"])
+def test_interpret_core_grads(variant):
     """All five backward launches against the xla core's VJP (GVA, initial state, 2 chunks)."""
     with pk.use_mode("interpret"):
         cfg, res, cts = core_case(0, variant, 1, 128, 1, 2, 64)
-    run_interpreted(lambda: check_core(cfg, res, cts, jit=False, sliced=sliced))
+    run_interpreted(lambda: check_core(cfg, res, cts, jit=False))
 
 
 @pytest.mark.parametrize(
@@ -225,31 +232,28 @@ CORE = (1, 2048, 4, 8, 128)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "sliced,k_split",
+    "whole",
     [
-        (False, True),  # the op's form
-        # the other forms' kernels: test_gpu_kernels (whole, sliced), test_channel_ksplit_*.py
-        pytest.param(False, False, marks=SLOW),
-        pytest.param(True, False, marks=SLOW),
+        False,  # the op's forms (the plan's)
+        # the other forms' kernels: test_gpu_kernels (whole), test_channel_ksplit_*.py
+        pytest.param(True, marks=SLOW),
     ],
-    ids=["ksplit", "whole", "sliced"],
+    ids=["ksplit", "whole"],
 )
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_core_grads(variant, sliced, k_split):
+def test_gpu_core_grads(variant, whole):
     cfg, res, cts = core_case(3, variant, *CORE)
-    check_core(cfg, res, cts, sliced=sliced, k_split=k_split)
+    check_core(cfg, res, cts, whole=whole)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "k_split", [pytest.param(False, marks=SLOW), True], ids=["whole", "ksplit"]
-)
+@pytest.mark.parametrize("whole", [pytest.param(True, marks=SLOW), False], ids=["whole", "ksplit"])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 @pytest.mark.parametrize("g_val", [0.0, -5.0])
-def test_gpu_core_extreme_gates(variant, g_val, k_split):
+def test_gpu_core_extreme_gates(variant, g_val, whole):
     """Per-token log-decay −5 on every channel over whole chunks, and no decay at all."""
     cfg, res, cts = core_case(4, variant, *CORE, g_val=g_val)
-    check_core(cfg, res, cts, k_split=k_split)
+    check_core(cfg, res, cts, whole=whole)
 
 
 # Every gradient of the op at heavier shapes (-m "gpu and slow"). The same code paths, every
@@ -340,7 +344,7 @@ def _rep(x, HV):  # GVA: q/k heads repeated to the value heads
     return jnp.repeat(x, HV // x.shape[2], axis=2)
 
 
-def _kernel_outputs(x, scale, sliced):
+def _kernel_outputs(x, scale):
     """bwd_dh, then bwd_dqkw on its dh/dv2, then bwd_wy on their dw/dv2."""
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.channel.bwd_dh import channel_bwd_dh
@@ -353,11 +357,11 @@ def _kernel_outputs(x, scale, sliced):
     )  # fmt: skip
     dq, dk, dwk, dG = channel_bwd_dqkw(
         x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], dh, x["vn"], x["do"], dvh, dvl,
-        scale=scale, sliced=sliced,
+        scale=scale,
     )  # fmt: skip
     wy = channel_bwd_wy(
         x["k"], x["v"], x["G"], x["gr"], x["gl"], x["bk"], x["w"], x["A"], dwk, dvh, dvl,
-        ChannelBwdWyConfig(scalar_beta=x["w"] is None, sliced=sliced),
+        ChannelBwdWyConfig(scalar_beta=x["w"] is None),
     )  # fmt: skip
     return dict(dh=dh, dvh=dvh, dvl=dvl, dh0=dh0, dq=dq, dk=dk, dwk=dwk, dG=dG, wy=wy)
 
@@ -444,11 +448,11 @@ def kernel_refs(x, out, scale, *, jit=True):
     return cached_jit(_kernel_refs, reference=True, scale=scale)(x, out)
 
 
-def check_kernels(x, *, tol=2e-2, sliced=False, jit=True):
+def check_kernels(x, *, tol=2e-2, jit=True):
     """Runs bwd_dh, bwd_dqkw, bwd_wy on ``x`` and compares each output with its formula."""
     x = dict(x)
     scale = x.pop("cfg").scale
-    out = _kernel_outputs(x, scale, sliced)
+    out = _kernel_outputs(x, scale)
     ref = kernel_refs(x, out, scale, jit=jit)
     wy = out["wy"]
     got = dict(dh=out["dh"], dv2=out["dvh"].astype(f32) + out["dvl"].astype(f32), dh0=out["dh0"],
@@ -473,15 +477,14 @@ def check_kernels(x, *, tol=2e-2, sliced=False, jit=True):
 def test_interpret_kernels(variant):
     with pk.use_mode("interpret"):
         x = run_interpreted(lambda: _kernel_inputs(1, variant, 1, 128, 1, 2, 64))
-        run_interpreted(lambda: check_kernels(x, sliced=variant == "kda", jit=False))
+        run_interpreted(lambda: check_kernels(x, jit=False))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_kernels(variant, sliced):
+def test_gpu_kernels(variant):
     x = gpu_kernel_inputs(variant)
-    check_kernels(x, sliced=sliced)
+    check_kernels(x)
 
 
 # The split forms' GPU checks (their modules hold the checks and the CPU tests), here so that they
@@ -489,23 +492,21 @@ def test_gpu_kernels(variant, sliced):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("variant,H,HV", [("kda", 4, 8), ("gdn2", 8, 8)])
-def test_gpu_ksplit_dqkw(variant, H, HV, sliced):
+def test_gpu_ksplit_dqkw(variant, H, HV):
     """K-split dq/dk/dw against the one-CTA form and the formulas, with and without GVA."""
     from test_channel_ksplit_dqkw import check_ksplit
 
-    check_ksplit(gpu_kernel_inputs(variant, H, HV), sliced=sliced, tol_split=1e-2, tol_ref=2e-2)
+    check_ksplit(gpu_kernel_inputs(variant, H, HV), tol_split=1e-2, tol_ref=2e-2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_ksplit_wy(variant, sliced):
+def test_gpu_ksplit_wy(variant):
     """K-split WY backward against the unsplit kernel and the formulas (tolerance 2e-2)."""
     from test_channel_ksplit_wy import check_split
 
-    check_split(gpu_kernel_inputs(variant), sliced=sliced, tol=2e-2)
+    check_split(gpu_kernel_inputs(variant), tol=2e-2)
 
 
 @pytest.mark.gpu

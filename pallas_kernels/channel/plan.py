@@ -1,0 +1,153 @@
+"""Which form of each channel-decay (KDA / GDN2) kernel stage serves a call: one plan per call.
+
+:func:`channel_plan` maps (io dtype, K, V, KDA or GDN2, whether the forward stores A) to the form
+of every stage that has more than one, and :func:`check_supported` says whether the channel
+kernels serve a call at all. The glue (:mod:`gdn_jax.ops._channel_pallas` for the forward,
+:mod:`gdn_jax.ops._channel_pallas_bwd` for the backward) takes its forms from the plan and from
+nowhere else.
+
+Forms (``f16``: f16 io; K, V ∈ {64, 128}):
+
+- intra: split over two CTAs per chunk and value head (``ChannelIntraConfig.split``) for f16
+  always, for bf16 at K = V = 128 for GDN2 always and for KDA when A is stored; else one CTA.
+- dq/dk/dw (``ChannelPlan.dqkw``): ``"k_split"`` (two CTAs, one per 64-column half of K) at
+  K = 128 when V = 128 or f16; ``"phased"`` (the K-split kernel's phases on one CTA, all of K)
+  for f16 at K = 64; ``"one_cta"`` otherwise (bf16 at K = 64, or K = 128 with V = 64).
+- WY backward: K-split (two CTAs, one per half of K; ``ChannelBwdWyConfig.k_split``) at K = 128
+  when V = 128 or f16; else one CTA.
+
+Reasons:
+
+- intra, bf16: measured on the H200 at B4 T4096 HV16 (``bench_gdn.py --stages``, K = V = 128):
+  the split form takes GDN2 1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA
+  without A 1.45 vs 1.40 (the one case the one-CTA form wins, hence inference KDA keeps it).
+  bf16 splits only where it was measured (K = V = 128).
+- intra, f16: the decay-factored operands are bf16 hi/lo pairs, which only the split form has
+  shared memory for.
+- dq/dk/dw and WY K-split: half-size register tiles and under half the shared memory per CTA, so
+  two CTAs share an SM. On the H200 at B4 T4096 HV16 (``bench_gdn.py --stages``, bf16,
+  K = V = 128) it halves both kernels' time (2.39 vs 4.88 ms and 2.27 vs 4.34 ms). bf16 keeps the
+  K-split at K = V = 128 only (the form benchmarked there; at V = 64 the one-CTA kernels run, as
+  before the K-split forms took V = 64). f16 at K = 128 needs it at either V: the one-CTA forms
+  have no shared memory for the f16 staging tiles there.
+- dq/dk/dw at K = 64: the one-CTA bf16 kernel already has [C, 64] tiles; f16 runs the K-split
+  kernel's phased body on one CTA, whose scopes fit two CTAs per SM where the one-CTA form with
+  the f16 tiles (144 KB and more) does not.
+- WY at K = 64: the unsplit kernel already has [C, 64] tiles (bf16 and f16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_kernels import _compat as pk
+from pallas_kernels._tiles import CHUNK
+from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig
+from pallas_kernels.channel.intra import ChannelIntraConfig
+
+__all__ = ["DQKW_FORMS", "ChannelPlan", "channel_plan", "check_supported"]
+
+DQKW_FORMS = ("k_split", "phased", "one_cta")
+"""The forms of the dq/dk/dw kernel (:func:`pallas_kernels.channel.bwd_dqkw.channel_bwd_dqkw`)."""
+
+HEAD_SIZES = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelPlan:
+    """The form of every channel-decay kernel stage for one call (see the module docstring).
+
+    Attributes:
+      scalar_beta: KDA (one β per token); else GDN2 gates.
+      store_a: the forward's intra kernel stores A (a differentiated forward).
+      intra_split: the intra kernel's split form (``ChannelIntraConfig.split``).
+      dqkw: the dq/dk/dw kernel's form, one of :data:`DQKW_FORMS`.
+      wy_split: the WY backward's K-split form (``ChannelBwdWyConfig.k_split``).
+    """
+
+    scalar_beta: bool
+    store_a: bool
+    intra_split: bool
+    dqkw: str
+    wy_split: bool
+
+    def __post_init__(self):
+        for name in ("scalar_beta", "store_a", "intra_split", "wy_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ChannelPlan.{name}={getattr(self, name)!r} must be a bool")
+        if self.dqkw not in DQKW_FORMS:
+            raise ValueError(f"ChannelPlan.dqkw={self.dqkw!r} must be one of {DQKW_FORMS}")
+
+    def intra_config(self) -> ChannelIntraConfig:
+        """The intra kernel's configuration."""
+        return ChannelIntraConfig(
+            scalar_beta=self.scalar_beta, store_a=self.store_a, split=self.intra_split
+        )
+
+    @property
+    def dqkw_k_split(self) -> bool:
+        """``channel_bwd_dqkw``'s ``k_split`` argument: the two-CTA form at K = 128, the phased
+        one-CTA form for f16 at K = 64."""
+        return self.dqkw != "one_cta"
+
+    def wy_config(self) -> ChannelBwdWyConfig:
+        """The WY backward kernel's configuration."""
+        return ChannelBwdWyConfig(scalar_beta=self.scalar_beta, k_split=self.wy_split)
+
+
+def _unsupported_shape(dtype, K: int, V: int) -> str | None:
+    """Why the channel kernels cannot serve io dtype ``dtype`` with head sizes K, V (None: they
+    can)."""
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"dtype={jnp.dtype(dtype)}: the Pallas kernels take bf16 or f16 (f32 runs on 'xla')"
+    if K not in HEAD_SIZES or V not in HEAD_SIZES:
+        return f"{K=} {V=}: the Pallas kernels need K, V in {{64, 128}}"
+    return None
+
+
+def check_supported(dtype, K: int, V: int, chunk_size: int) -> None:
+    """Whether the channel kernels serve a call: io dtype ``dtype`` (q, k, v), head sizes K, V,
+    ``chunk_size`` and the platform (a Hopper GPU, or an execution mode other than "auto", see
+    :func:`pallas_kernels.use_mode`).
+
+    Raises:
+      NotImplementedError: with the reason, when they do not (the op then falls back to "xla").
+    """
+    why = _unsupported_shape(dtype, K, V)
+    if why is None and chunk_size != CHUNK:
+        why = f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
+    if why is None and pk.execution_mode() == "auto" and not pk.is_hopper():
+        why = "no Hopper GPU (and the Mosaic GPU interpreter was not requested)"
+    if why is not None:
+        raise NotImplementedError(why)
+
+
+def channel_plan(dtype, K: int, V: int, *, scalar_beta: bool, store_a: bool) -> ChannelPlan:
+    """The form of every stage for io dtype ``dtype`` (bf16 or f16), head sizes K, V ∈ {64, 128},
+    KDA (``scalar_beta``) or GDN2, with or without A stored by the forward (the backward's plan
+    is the differentiated forward's: ``store_a=True``).
+
+    Raises:
+      NotImplementedError: dtype or head sizes the kernels do not serve.
+    """
+    why = _unsupported_shape(dtype, K, V)
+    if why is not None:
+        raise NotImplementedError(why)
+    f16 = jnp.dtype(dtype) == jnp.float16
+    intra_split = f16 or (K == V == 128 and (store_a or not scalar_beta))
+    k_split = K == 128 and (V == 128 or f16)
+    if k_split:
+        dqkw = "k_split"
+    elif f16:  # K = 64
+        dqkw = "phased"
+    else:
+        dqkw = "one_cta"
+    return ChannelPlan(
+        scalar_beta=scalar_beta,
+        store_a=store_a,
+        intra_split=intra_split,
+        dqkw=dqkw,
+        wy_split=k_split,
+    )
