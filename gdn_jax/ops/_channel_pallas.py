@@ -55,7 +55,7 @@ happens outside, by autodiff of the glue), db [N, Tp, HV] for KDA and dw None fo
 
 The backward runs the Mosaic GPU backward kernels (:mod:`gdn_jax.ops._channel_pallas_bwd`).
 :func:`_xla_core` computes the same core with the xla chunked path: the tests differentiate it as
-the backward's reference (it was the backward until the kernels landed).
+the backward's reference.
 """
 
 from __future__ import annotations
