@@ -30,6 +30,9 @@ __all__ = [
     "LoopConfig",
     "META_COLS",
     "check_meta",
+    "load_state_row",
+    "store_final_state",
+    "store_initial_cotangent",
     "v_block_coords",
     "segment_coords",
     "chunk_offset",
@@ -139,6 +142,48 @@ def check_meta(meta: jax.Array | None, B: int, nt: int) -> None:
         raise ValueError(
             f"{B=} {meta.shape=} {meta.dtype=}: meta must be [T/64, {META_COLS}] int32 with B == 1"
         )
+
+
+def load_state_row(seq, src_g, hv: int, cols, st_s, bar, carry):
+    """Inside a chunk loop on a packed lane: where the table entry ``seq`` is >= 0, the carry
+    [K, BV] f32 becomes row ``seq`` of ``src_g`` [N, HV, K, V] (value head ``hv``, columns
+    ``cols``), staged through ``st_s`` [K, BV] f32 with barrier ``bar``; else it is kept."""
+
+    @pl.when(seq >= 0)
+    def _():
+        plgpu.copy_gmem_to_smem(src_g.at[seq, hv, :, cols], st_s, bar)
+        plgpu.barrier_wait(bar)
+
+    # a vector predicate (select does not broadcast a scalar one on the GPU)
+    rows = carry.shape[0]
+    on = cp.iota(carry.shape, 0) < jnp.where(seq >= 0, rows, 0)
+    return jnp.where(on, cp.load_tile(st_s), carry)
+
+
+def store_final_state(seq, state, st_s, dst_g, hv: int, cols) -> None:
+    """Forward chunk loops on a packed lane: where ``seq`` >= 0 (the chunk ends sequence
+    ``seq``), ``state`` [K, BV] f32 is written to row ``seq`` of ``dst_g`` [N, HV, K, V] through
+    ``st_s``, and the store finishes before the next :func:`load_state_row` reuses the tile."""
+
+    @pl.when(seq >= 0)
+    def _():
+        st_s[...] = state
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s, dst_g.at[seq, hv, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def store_initial_cotangent(seq, dstate, st_s, dst_g, hv: int, cols) -> None:
+    """Reverse chunk loops on a packed lane: where ``seq`` >= 0 (the chunk starts sequence
+    ``seq``), ``dstate`` [K, BV] f32 is written to row ``seq`` of ``dst_g`` [N, HV, K, V]
+    through ``st_s``, once the loop's earlier stores from ``st_s`` have left it."""
+
+    @pl.when(seq >= 0)
+    def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        st_s[...] = dstate
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s, dst_g.at[seq, hv, :, cols])
 
 
 def v_block_coords(block_v: int):

@@ -43,8 +43,10 @@ from pallas_kernels._tiles import (
     META_COLS,
     LoopConfig,
     check_meta,
+    load_state_row,
     per_v_block_kernel,
     store_f32_tile,
+    store_initial_cotangent,
     v_block_coords,
 )
 from pallas_kernels.gdn.fake_quant import stage_columns
@@ -90,15 +92,7 @@ def _dh_body(*refs, cfg, nt: int, packed: bool):
                 plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # the stores of step i-2 left SMEM
             if packed:  # packed sequences on one lane (reverse): a last chunk loads its dht
                 reset, fin = m_s[0][0], m_s[0][1]
-
-                @pl.when(fin >= 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(dht_g.at[fin, hv, :, cols], dhf_s[0], dhf_s[1])
-                    plgpu.barrier_wait(dhf_s[1])
-
-                # a vector predicate (select does not broadcast a scalar one on the GPU)
-                on = cp.iota((K, BV), 0) < jnp.where(fin >= 0, K, 0)
-                dH = jnp.where(on, cp.load_tile(dhf_s[0]), dH)
+                dH = load_state_row(fin, dht_g, hv, cols, dhf_s[0], dhf_s[1], dH)
             dh_ref = at_slot(dh_s)
             unstage = stage_columns(dH, dh_ref, scaled)
             if scaled:
@@ -123,13 +117,7 @@ def _dh_body(*refs, cfg, nt: int, packed: bool):
             upd = cp.matmul(w_s.T, ndv_s, (K, BV))
             dH = dH * decay + cfg.scale * cp.matmul(qg_s.T, do_s, (K, BV)) + upd
             if packed:  # a sequence's first chunk: dH is now the cotangent of its h0
-
-                @pl.when(reset >= 0)
-                def _():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the dh store left dhf_s
-                    dhf_s[0][...] = dH
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(dhf_s[0], dh0_g.at[reset, hv, :, cols])
+                store_initial_cotangent(reset, dH, dhf_s[0], dh0_g, hv, cols)
 
             return dH
 

@@ -46,8 +46,10 @@ from pallas_kernels._tiles import (
     META_COLS,
     LoopConfig,
     check_meta,
+    load_state_row,
     per_v_block_kernel,
     store_f32_tile,
+    store_final_state,
     v_block_coords,
 )
 from pallas_kernels.gdn.fake_quant import stage_columns
@@ -120,15 +122,7 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int, packed: bool):
             slot = lax.rem(c, 2)
             if packed:  # packed sequences on one lane: a sequence's first chunk loads its h0
                 reset, fin = m_s[0], m_s[1]
-
-                @pl.when(reset >= 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(h0_g.at[reset, hv, :, cols], st_s, st_bar)
-                    plgpu.barrier_wait(st_bar)
-
-                # a vector predicate (select does not broadcast a scalar one on the GPU)
-                on = cp.iota((K, BV), 0) < jnp.where(reset >= 0, K, 0)
-                S = jnp.where(on, cp.load_tile(st_s), S)
+                S = load_state_row(reset, h0_g, hv, cols, st_s, st_bar, S)
             # the stores issued two steps ago (same slot) must have finished reading SMEM
             # (f16 forward: the single o tile, so step c-1's o store too)
             plgpu.wait_smem_to_gmem(0 if o_single else n_groups, wait_read_only=True)
@@ -158,13 +152,7 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int, packed: bool):
             decay = cp.bcast_rows(cp.row_vec(dl_s), (K, BV))
             S = S * decay + cp.matmul(kg_s.T, vn_ref, (K, BV))
             if packed and not store_h:  # a sequence's last chunk writes its final state
-
-                @pl.when(fin >= 0)
-                def _():
-                    st_s[...] = S
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(st_s, ht_g.at[fin, hv, :, cols])
-                    plgpu.wait_smem_to_gmem(0)  # before the next h0 load overwrites st_s
+                store_final_state(fin, S, st_s, ht_g, hv, cols)
 
             return S
 

@@ -26,9 +26,11 @@ from pallas_kernels._tiles import (
     LoopConfig,
     check_meta,
     chunk_offset,
+    load_state_row,
     per_v_block_kernel,
     segment_coords,
     store_f32_tile,
+    store_initial_cotangent,
     v_block_coords,
 )
 from pallas_kernels.gdn.fake_quant import stage_columns
@@ -73,15 +75,7 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool, state_only: bool):
             plgpu.wait_smem_to_gmem(2 * (nbuf - 1), wait_read_only=True)
             if packed:  # packed sequences on one lane (reverse): a last chunk loads its dht
                 reset, fin = m_s[0][0], m_s[0][1]
-
-                @pl.when(fin >= 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(dht_g.at[fin, hv, :, cols], dhf[0], dhf[1])
-                    plgpu.barrier_wait(dhf[1])
-
-                # a vector predicate (select does not broadcast a scalar one on the GPU)
-                on = cp.iota((K, BV), 0) < jnp.where(fin >= 0, K, 0)
-                dH = jnp.where(on, cp.load_tile(dhf[0]), dH)
+                dH = load_state_row(fin, dht_g, hv, cols, dhf[0], dhf[1], dH)
             if scaled:
                 dh_ref = dh_s
                 unstage = stage_columns(dH, dh_ref, scaled)
@@ -127,13 +121,7 @@ def _dh_body(*refs, cfg, group: int, nt: int, packed: bool, state_only: bool):
 
             dH = dH * jnp.exp(g_last) + pl.run_scoped(upd, plgpu.ACC((K, BV), f32))
             if packed:  # a sequence's first chunk: dH is now the cotangent of its h0
-
-                @pl.when(reset >= 0)
-                def _():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the dh store left dhf
-                    dhf[0][...] = dH
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(dhf[0], dh0_g.at[reset, hv, :, cols])
+                store_initial_cotangent(reset, dH, dhf[0], dh0_g, hv, cols)
 
             return dH
 

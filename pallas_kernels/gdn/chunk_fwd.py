@@ -30,9 +30,11 @@ from pallas_kernels._tiles import (
     LoopConfig,
     check_meta,
     chunk_offset,
+    load_state_row,
     per_v_block_kernel,
     segment_coords,
     store_f32_tile,
+    store_final_state,
     v_block_coords,
 )
 from pallas_kernels.gdn.fake_quant import fake_quant_e4m3, stage_columns
@@ -115,15 +117,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
             slot = lax.rem(c, 2)
             if packed:  # packed sequences on one lane: a sequence's first chunk loads its h0
                 reset, fin = m_s[0], m_s[1]
-
-                @pl.when(reset >= 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(h0_g.at[reset, hv, :, cols], st_s, st_bar)
-                    plgpu.barrier_wait(st_bar)
-
-                # a vector predicate (select does not broadcast a scalar one on the GPU)
-                on = cp.iota((K, BV), 0) < jnp.where(reset >= 0, K, 0)
-                S = jnp.where(on, cp.load_tile(st_s), S)
+                S = load_state_row(reset, h0_g, hv, cols, st_s, st_bar, S)
             if cfg.state_quant is not None:
                 # QAT: the carry becomes the quantised state; the products below and the decayed
                 # update both use it (as the xla path does)
@@ -168,13 +162,7 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, group: int, nt: int, packed: bool):
             plgpu.commit_smem()
             S = S * jnp.exp(g_last) + cp.matmul(k_s.T, vd_s, (K, BV))
             if packed and not store_h:  # a sequence's last chunk writes its final state
-
-                @pl.when(fin >= 0)
-                def _():
-                    st_s[...] = S
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(st_s, ht_g.at[fin, hv, :, cols])
-                    plgpu.wait_smem_to_gmem(0)  # before the next h0 load overwrites st_s
+                store_final_state(fin, S, st_s, ht_g, hv, cols)
 
             return S
 
