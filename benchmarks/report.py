@@ -329,17 +329,24 @@ def _pyplot():
     return plt
 
 
-def plot_ops(doc: dict | None, path: Path) -> bool:
-    """Bars of pallas / xla / FLA ms for the bf16 rows that FLA measured; False when none."""
+def bar_rows(doc: dict | None) -> list[dict]:
+    """The rows of the bar plot: bf16, no QAT, measured by FLA, and not on the time-vs-T plot
+    (:func:`long_context_rows`); GDN first, then by variant, shape and mode."""
     if doc is None:
-        return False
+        return []
+    on_t_plot = {id(r) for group in long_context_rows(doc).values() for _, r in group}
     rows = [r for r in doc["rows"] if r.get("qat") is None and r.get("fla_ms")]
-    rows = [r for r in rows if r["dtype"] == "bfloat16"]
+    rows = [r for r in rows if r["dtype"] == "bfloat16" and id(r) not in on_t_plot]
+    return sorted(rows, key=lambda r: (r["variant"] != "gdn", r["variant"], r["shape"], r["mode"]))
+
+
+def plot_ops(doc: dict | None, path: Path) -> bool:
+    """Bars of pallas / xla / FLA ms for :func:`bar_rows`; False when there are none."""
+    rows = bar_rows(doc)
     if not rows:
         return False
-    rows.sort(key=lambda r: (r["variant"] != "gdn", r["variant"], r["shape"], r["mode"]))
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 3.6))
+    fig, ax = plt.subplots(figsize=(1.7 * len(rows) + 2, 3.6))
     width = 0.27
     for i, (impl, label) in enumerate(
         (("pallas_ms", "pallas"), ("fla_ms", "FLA"), ("xla_ms", "xla"))
@@ -348,8 +355,8 @@ def plot_ops(doc: dict | None, path: Path) -> bool:
         ys = [r[impl] for r in rows if r.get(impl) is not None]
         ax.bar(xs, ys, width, label=label)
     ax.set_xticks(range(len(rows)))
-    labels = [f"{r['variant']} {r['shape'].split('_H')[0]}\n{r['mode']}" for r in rows]
-    ax.set_xticklabels(labels, fontsize=8)
+    labels = [f"{r['variant']} {r['mode']}\n{r['shape'].removesuffix('_D128')}" for r in rows]
+    ax.set_xticklabels(labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("ms (log scale)")
     ax.grid(True, axis="y", alpha=0.3)

@@ -163,6 +163,11 @@ def test_long_context_plot_groups_batch_one_rows(tmp_path):
     assert [(t, r["pallas_ms"]) for t, r in groups[(16, "fwd")]] == [(8192, 1.0), (16384, 2.0)]
     assert report.plot_long_context(doc, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size
     assert "ops_vs_T.png" in "\n".join(report.ops_section(doc))
+    bars = [(r["variant"], r["shape"], r["dtype"]) for r in report.bar_rows(doc)]
+    assert bars == [("gdn", "B1_T8192_H16_HV16_D128_P4096+4096", "bfloat16"),
+                    ("gdn", "B1_T8192_H8_HV8_D128", "bfloat16"),
+                    ("gdn", "B4_T4096_H16_HV16_D128", "bfloat16"),
+                    ("kda", "B1_T8192_H16_HV16_D128", "bfloat16")]  # fmt: skip
     one = {**doc, "rows": rows[1:]}
     assert not report.plot_long_context(one, tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
