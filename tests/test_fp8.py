@@ -353,7 +353,8 @@ def _gemm_backends(hlo: str) -> dict[str, int]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["tiny", "model"])
+# the model's shape autotunes its GEMMs for most of a minute: in the slow set
+@pytest.mark.parametrize("shape", ["tiny", pytest.param("model", marks=pytest.mark.slow)])
 def test_native_compiles_to_fp8_gemms(shape):
     """On the H200 the native backend's forward and both backward products are FP8 tensor-core
     GEMMs, never upcast BF16 ones. At the model's MLP shape ([2, 2048, 1024] x [1024, 3584])

@@ -213,7 +213,12 @@ def _dense(seed, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "shape,dtype",
-    [("dense", bf16), ("packed", bf16), ("packed", f16)],
+    [
+        ("dense", bf16),
+        ("packed", bf16),
+        # f16 is in the quick set kernel by kernel (test_channel_f16_*); here end to end
+        pytest.param("packed", f16, marks=pytest.mark.slow),
+    ],
     ids=["dense-bf16", "packed-bf16", "packed-f16"],
 )
 @pytest.mark.parametrize("variant", ["gdn2", "kda"])

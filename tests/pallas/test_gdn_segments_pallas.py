@@ -167,6 +167,7 @@ def test_gpu_segments_packed_states(S):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # segments at S = 1, 2, 7, 16 with packed states are in the quick set
 def test_gpu_segments_dense_f16_and_default_count():
     """Dense batch rows with initial states: S = 7 (T/64 = 32 chunks, padded to 35); f16 io
     (scaled f16 staging of the state in the segment pass) and the default segment count."""
