@@ -71,6 +71,14 @@ def shared_compiles(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    if "slow" not in (config.getoption("markexpr") or ""):
+        # A test marked gpu and slow (a heavier shape on a path a quick GPU test covers) runs
+        # only when the -m expression names slow: -m gpu is the quick set, -m "gpu and slow"
+        # the heavy one.
+        heavy = [item for item in items if {"gpu", "slow"} <= set(item.keywords)]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if item not in heavy]
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow first
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
     if on_gpu:

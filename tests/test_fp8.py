@@ -353,7 +353,7 @@ def _gemm_backends(hlo: str) -> dict[str, int]:
 
 
 @pytest.mark.gpu
-# the model's shape autotunes its GEMMs for most of a minute: in the slow set
+# the model's shape is slow to compile (XLA autotunes its GEMMs): in the slow set
 @pytest.mark.parametrize("shape", ["tiny", pytest.param("model", marks=pytest.mark.slow)])
 def test_native_compiles_to_fp8_gemms(shape):
     """On the H200 the native backend's forward and both backward products are FP8 tensor-core
