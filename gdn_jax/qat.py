@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax.reference._common import cast_round_trip
+from pallas_kernels.gdn.fake_quant import AMAX_FLOOR
 
 __all__ = [
     "SITES",
@@ -100,8 +101,10 @@ def fake_quant(x: jax.Array, axes: tuple[int, ...], fmt: str = "e4m3") -> jax.Ar
     """FP8 quantise-dequantise with a dynamic scale ``amax / fmt_max`` shared over ``axes``:
     ``fp8(x * (fmt_max / amax)) * (amax * f32(1 / fmt_max))``.
 
-    The gradient is the identity (straight-through). An all-zero group keeps scale 1, so zeros
-    stay zeros and nothing divides by zero.
+    The gradient is the identity (straight-through). The group's amax is floored at
+    ``AMAX_FLOOR`` (the kernels' constant), so an all-zero or nearly-zero group (a state decayed
+    to ~1e-36) gets a finite scale: zeros stay zeros, tiny values round towards zero, and no
+    ``x * inf`` appears.
 
     Args:
       x: f32 array.
@@ -114,10 +117,10 @@ def fake_quant(x: jax.Array, axes: tuple[int, ...], fmt: str = "e4m3") -> jax.Ar
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
     # One division per group, then only multiplies: every backend and kernel rounds the same.
-    nonzero = amax > 0
-    inv_scale = jnp.where(nonzero, fmax / jnp.where(nonzero, amax, 1.0), 1.0)
+    amax = jnp.maximum(amax, AMAX_FLOOR)
+    inv_scale = fmax / amax
     # Multiply by a rounded reciprocal (what compilers turn a constant divisor into anyway).
-    scale = jnp.where(nonzero, amax * jnp.float32(1.0 / fmax), 1.0)
+    scale = amax * jnp.float32(1.0 / fmax)
     return cast_round_trip(x * inv_scale, dtype) * scale
 
 

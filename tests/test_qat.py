@@ -16,16 +16,17 @@ XLA = dict(implementation="xla")
 
 @pytest.mark.parametrize("axes", [(-1,), (-2,), (-2, -1)])
 def test_fake_quant_matches_numpy_e4m3(axes):
-    x = np.random.default_rng(0).standard_normal((3, 16, 8)).astype(np.float32) * 7
+    x = np.random.default_rng(0).standard_normal((4, 16, 8)).astype(np.float32) * 7
     x[0] = 0.0  # an all-zero group stays zero
-    amax = np.max(np.abs(x), axis=axes, keepdims=True)
-    safe = np.where(amax > 0, amax, 1.0).astype(np.float32)
-    inv_scale = np.where(amax > 0, np.float32(448.0) / safe, 1.0).astype(np.float32)
-    scale = np.where(amax > 0, safe * np.float32(1 / 448.0), 1.0).astype(np.float32)
+    x[1] *= np.float32(1e-37)  # a decayed state: 448 / amax would overflow f32 without the floor
+    amax = np.maximum(np.max(np.abs(x), axis=axes, keepdims=True), np.float32(2.0**-100))
+    inv_scale = (np.float32(448.0) / amax).astype(np.float32)
+    scale = (amax * np.float32(1 / 448.0)).astype(np.float32)
     want = (x * inv_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
     got = np.asarray(qat.fake_quant(jnp.asarray(x), axes))
     np.testing.assert_array_equal(got, want)
     assert np.all(got[0] == 0) and np.all(np.isfinite(got))
+    assert np.all(np.abs(got[1]) <= 2.0**-100)  # quantised on the floor's scale: about zero
 
 
 def test_fake_quant_gradient_is_straight_through():

@@ -48,10 +48,11 @@ f32 = jnp.float32
     "B,HV,T,nv,want",
     [
         (4, 16, 4096, 2, 1),  # 128 CTAs: a full wave already
-        (2, 16, 32768, 2, 2),  # 64 CTAs
-        (1, 16, 32768, 2, 4),  # 32 CTAs
-        (1, 8, 32768, 2, 8),
-        (1, 16, 131072, 2, 4),
+        (2, 16, 32768, 2, 4),  # 64 CTAs: two per SM after the split
+        (1, 16, 32768, 2, 8),  # 32 CTAs
+        (1, 8, 32768, 2, 16),
+        (1, 16, 131072, 2, 8),
+        (1, 16, 4096, 2, 4),  # 64 chunks: segments of >= 16 chunks
         (1, 1, 1 << 20, 1, MAX_SEGMENTS),  # capped
         (1, 16, 2048, 2, 2),  # 32 chunks: segments of >= 16 chunks
         (1, 16, 1024, 2, 1),  # too short to split
@@ -63,7 +64,7 @@ def test_segment_count(B, HV, T, nv, want):
 
 
 def test_segment_count_follows_the_sm_count():
-    assert segment_count(1, 16, 32768, 2, sms=264) == 8
+    assert segment_count(1, 16, 32768, 2, sms=264) == 16
     assert segment_count(1, 16, 32768, 2, sms=48) == 1
 
 

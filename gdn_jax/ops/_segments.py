@@ -33,6 +33,7 @@ __all__ = [
     "SM_COUNT",
     "MIN_SEGMENT_CHUNKS",
     "MAX_SEGMENTS",
+    "CTAS_PER_SM",
     "segment_count",
     "sm_count",
     "pad_chunks",
@@ -44,6 +45,7 @@ __all__ = [
 SM_COUNT = 132  # H200 (and H100 SXM)
 MIN_SEGMENT_CHUNKS = 16  # shorter segments do not repay the segment pass and the combine
 MAX_SEGMENTS = 16  # the combine is sequential over segments
+CTAS_PER_SM = 2  # segment-loop CTAs the split aims at per SM (see segment_count)
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -51,10 +53,11 @@ _HI = jax.lax.Precision.HIGHEST
 def segment_count(B: int, HV: int, T: int, v_blocks: int, sms: int = SM_COUNT) -> int:
     """How many segments the chunk loops split each lane into.
 
-    One CTA per (batch row, value head, value block) runs a lane's chunks in order; a GPU with
-    ``sms`` SMs holds one such CTA per SM. Below half a wave (``2 · B · HV · v_blocks ≤ sms``)
-    every lane is cut into ``sms // (B · HV · v_blocks)`` segments (about one wave), at most
-    :data:`MAX_SEGMENTS` and with at least :data:`MIN_SEGMENT_CHUNKS` chunks of 64 each.
+    One CTA per (batch row, value head, value block) runs a lane's chunks in order. Below half a
+    wave (``2 · B · HV · v_blocks ≤ sms``) every lane is cut into ``2 · sms // (B · HV · v_blocks)``
+    segments (two CTAs per SM, the fastest count measured: B1 T32768 HV16 on the H200,
+    ``bench_gdn.py --segments 1 2 4 8``, forward 1.40, 1.12, 1.47 and 0.85 ms), at most :data:`MAX_SEGMENTS` and with at least :data:`MIN_SEGMENT_CHUNKS` chunks
+    of 64 each.
 
     Args:
       B: lanes (batch rows; 1 for packed sequences on one lane).
@@ -72,7 +75,7 @@ def segment_count(B: int, HV: int, T: int, v_blocks: int, sms: int = SM_COUNT) -
     if 2 * ctas > sms:
         return 1
     nt = -(-T // CHUNK)
-    s = min(sms // ctas, nt // MIN_SEGMENT_CHUNKS, MAX_SEGMENTS)
+    s = min(CTAS_PER_SM * sms // ctas, nt // MIN_SEGMENT_CHUNKS, MAX_SEGMENTS)
     return s if s >= 2 else 1
 
 

@@ -3,10 +3,14 @@
 The formula is the one of ``gdn_jax.qat.fake_quant`` (this package imports nothing from
 ``gdn_jax``; the tests check that both agree bitwise):
 
-    amax  = max |x| over the group
-    inv   = 448 / amax          (1 where amax == 0)
-    scale = amax * f32(1/448)   (1 where amax == 0)
+    a     = max(max |x| over the group, AMAX_FLOOR)
+    inv   = 448 / a
+    scale = a * f32(1/448)
     x_q   = f32(e4m3(x * inv)) * scale          (round to nearest even)
+
+The floor keeps ``inv`` finite: a group whose amax is below it (a state decayed to ~1e-36, or
+all zeros) is quantised on the floor's scale, so its values round to (near) zero instead of
+``x * inf``.
 
 Groups are the rows, the columns or the whole of a 2-D f32 register tile (WGMMA layout). The
 whole-tile maximum is a row reduction followed by a column reduction of its broadcast, so only
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels import _compat as cp
 
 __all__ = [
+    "AMAX_FLOOR",
     "E4M3_MAX",
     "GROUPS",
     "fake_quant_e4m3",
@@ -32,6 +37,9 @@ __all__ = [
 ]
 
 E4M3_MAX = 448.0
+# Smallest group amax a scale is computed from: 2^14 / 2^-100 and 448 / 2^-100 stay far inside
+# f32, whereas f32 amaxes down to ~1e-38 would make ``inv`` overflow to inf.
+AMAX_FLOOR = 2.0**-100
 GROUPS = ("rows", "cols", "all")
 f32 = jnp.float32
 
@@ -57,9 +65,9 @@ def fake_quant_e4m3(x: jax.Array, groups: str) -> jax.Array:
     else:
         amax, expand = jnp.max(cp.bcast_rows(jnp.max(a, axis=1), shape), axis=0), cp.bcast_cols
     # per group: one division, then only multiplies (the same operations as gdn_jax.qat)
-    nonzero = amax > 0
-    inv = jnp.where(nonzero, E4M3_MAX / jnp.where(nonzero, amax, 1.0), 1.0)
-    scale = jnp.where(nonzero, amax * f32(1.0 / E4M3_MAX), 1.0)
+    amax = jnp.maximum(amax, AMAX_FLOOR)
+    inv = E4M3_MAX / amax
+    scale = amax * f32(1.0 / E4M3_MAX)
     q = (x * expand(inv, shape)).astype(jnp.float8_e4m3fn).astype(f32)
     return q * expand(scale, shape)
 
@@ -86,10 +94,9 @@ def f16_stage_scales(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
       (inv, scale), each [N] (axis 0) or [R] (axis 1) f32, laid out for ``bcast_cols`` /
       ``bcast_rows``.
     """
-    amax = jnp.max(jnp.abs(x), axis=axis)
-    nonzero = amax > 0
-    inv = jnp.where(nonzero, F16_STAGE_AMAX / jnp.where(nonzero, amax, 1.0), 1.0)
-    scale = jnp.where(nonzero, amax * f32(1.0 / F16_STAGE_AMAX), 1.0)
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=axis), AMAX_FLOOR)
+    inv = F16_STAGE_AMAX / amax
+    scale = amax * f32(1.0 / F16_STAGE_AMAX)
     return inv, scale
 
 

@@ -1,9 +1,9 @@
 """Sequence-parallel GDN chunk loops (segments inside one device) on the Pallas kernels.
 
 CPU: the real CUDA lowering of the segmented forward and backward (every kernel a Mosaic GPU
-custom call), and one Mosaic GPU interpreter run at a tiny shape. GPU (``-m gpu``): segment
-counts 1, 2, 7 and 16 with packed sequences and initial/final states, o, final state and every
-gradient under the 2x rule against the f32 recurrent oracle, and the segmented op against the
+custom call), and Mosaic GPU interpreter runs at tiny shapes (bf16; f16 with strong gates).
+GPU (``-m gpu``): segment counts 1, 2, 7 and 16 with packed sequences and initial/final states,
+o, final state and every gradient under the 2x rule against the f32 recurrent oracle, and the segmented op against the
 unsplit one; in the slow set (``-m "gpu and slow"``) also B1 T 131072 against the f32 chunked
 xla path.
 """
@@ -119,6 +119,21 @@ def test_interpret_segments_packed_states():
             pk.reset_interpreter()
     print(check_2x(NAMES, got, ref_lo, ref32, floor=1e-5))
 
+
+
+def test_interpret_segments_f16_decayed_maps():
+    """f16 io, S = 2 segments of 4 chunks, full-strength gates: the segment maps' columns decay
+    through f32's 1e-35 .. 1e-38 range, where an unfloored f16 staging scale (2^14 / amax)
+    overflows to inf and every gradient came out non-finite."""
+    x, cu, cts = _case(0, 1, 512, 1, 2, 64, 64, [0, 20, 20, 512], gate_scale=1.0)
+    ref32 = _grads(recurrent_gated_delta_rule, x, cu, jnp.float32, cts, reference=True)
+    ref_lo = _grads(recurrent_gated_delta_rule, x, cu, jnp.float16, cts, reference=True)
+    with pk.use_mode("interpret"):
+        try:
+            got = _grads(_op(2), x, cu, jnp.float16, cts)
+        finally:
+            pk.reset_interpreter()
+    print(check_2x(NAMES, got, ref_lo, ref32, floor=1e-5))
 
 # ------------------------------------------------------------------------------------------------
 # GPU (H200)
