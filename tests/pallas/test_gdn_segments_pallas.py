@@ -3,9 +3,9 @@
 CPU: the real CUDA lowering of the segmented forward and backward (every kernel a Mosaic GPU
 custom call), and Mosaic GPU interpreter runs at tiny shapes (bf16; f16 with strong gates).
 GPU (``-m gpu``): segment counts 1, 2, 7 and 16 with packed sequences and initial/final states,
-o, final state and every gradient under the 2x rule against the f32 recurrent oracle, and the segmented op against the
-unsplit one; in the slow set (``-m "gpu and slow"``) also B1 T 131072 against the f32 chunked
-xla path.
+o, final state and every gradient under the 2x rule against the f32 recurrent oracle, and the
+segmented op against the unsplit one; in the slow set (``-m "gpu and slow"``) also B1 T 131072
+against the f32 chunked xla path.
 """
 
 from __future__ import annotations
@@ -120,7 +120,6 @@ def test_interpret_segments_packed_states():
     print(check_2x(NAMES, got, ref_lo, ref32, floor=1e-5))
 
 
-
 def test_interpret_segments_f16_decayed_maps():
     """f16 io, S = 2 segments of 4 chunks, full-strength gates: the segment maps' columns decay
     through f32's 1e-35 .. 1e-38 range, where an unfloored f16 staging scale (2^14 / amax)
@@ -134,6 +133,7 @@ def test_interpret_segments_f16_decayed_maps():
         finally:
             pk.reset_interpreter()
     print(check_2x(NAMES, got, ref_lo, ref32, floor=1e-5))
+
 
 # ------------------------------------------------------------------------------------------------
 # GPU (H200)
