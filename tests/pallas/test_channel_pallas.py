@@ -260,7 +260,8 @@ def test_gpu_matches_reference_large(variant, B, T, H, HV, cu, K, V, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gdn2", "kda"])
+# GDN2 in the slow set; quick: GDN2's f16 kernels one by one (test_channel_f16_*.py)
+@pytest.mark.parametrize("variant", [pytest.param("gdn2", marks=SLOW), "kda"])
 @pytest.mark.parametrize("g_val", [0.0, -5.0])
 def test_gpu_f16_extreme_gates(variant, g_val):
     """On the PACKED f16 programs."""

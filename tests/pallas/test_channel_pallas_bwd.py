@@ -280,9 +280,9 @@ def test_gpu_op_matches_reference(variant, B, T, H, HV, cu):
 @pytest.mark.parametrize(
     "T,H,HV,cu,K",
     [
-        # an empty and a one-token sequence, GVA; K = V = 64 (the op's K = V = 128 cases are
-        # test_channel_pallas.py's)
-        (4096, 8, 16, [0, 1000, 1000, 2500, 2501, 4096], 64),
+        # an empty and a one-token sequence, GVA; K = V = 64 (quick: one packed lane with states,
+        # an empty and a one-token sequence, in test_channel_pallas.py's packed cases, K != V)
+        pytest.param(4096, 8, 16, [0, 1000, 1000, 2500, 2501, 4096], 64, marks=SLOW),
         pytest.param(8192, 16, 32, [0, 1000, 1000, 2500, 2501, 8192], 128, marks=SLOW),
     ],
 )
@@ -481,6 +481,8 @@ def test_interpret_kernels(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # quick: the one-CTA dq/dk/dw and unsplit WY kernels run against the formulas
+# in test_gpu_ksplit_dqkw / test_gpu_ksplit_wy, bwd_dh through every op test's gradients
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 def test_gpu_kernels(variant):
     x = gpu_kernel_inputs(variant)

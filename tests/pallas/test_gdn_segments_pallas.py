@@ -140,6 +140,7 @@ def test_interpret_segments_f16_decayed_maps():
 
 # one packed lane (an empty sequence, a one-token one, sequences longer than a segment) with
 # initial and final states, at every segment count; mild gates so that states cross segments
+SLOW = pytest.mark.slow
 PACKED = (1, 4096, 2, 4, [0, 1000, 1000, 1001, 2500, 4096])
 _refs: dict = {}
 
@@ -166,7 +167,9 @@ def _check(name, case, S, dtype=jnp.bfloat16, *, deterministic=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("S", [1, 2, 7, 16])
+# S = 1 (the unsplit loops, which every other GDN test runs) and 16 (the most segments) in the
+# slow set; quick: 2 and 7 (segments that split and pad)
+@pytest.mark.parametrize("S", [pytest.param(1, marks=SLOW), 2, 7, pytest.param(16, marks=SLOW)])
 def test_gpu_segments_packed_states(S):
     B, T, H, HV, cu = PACKED
     case = _case(21, B, T, H, HV, 128, 128, cu, gate_scale=0.05)
