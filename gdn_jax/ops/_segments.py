@@ -55,8 +55,8 @@ def segment_count(B: int, HV: int, T: int, v_blocks: int, sms: int = SM_COUNT) -
 
     One CTA per (batch row, value head, value block) runs a lane's chunks in order. Below half a
     wave (``2 · B · HV · v_blocks ≤ sms``) every lane is cut into ``2 · sms // (B · HV · v_blocks)``
-    segments (two CTAs per SM, the fastest count measured: B1 T32768 HV16 on the H200,
-    ``bench_gdn.py --segments 1 2 4 8``, forward 1.40, 1.12, 1.47 and 0.85 ms), at most
+    segments (two CTAs per SM: at B1 T32768 HV16 on the H200 the kernels' forward took 1.40,
+    1.12 and 0.85 ms at S = 1, 2 and 8, ``bench_gdn.py --segments``), at most
     :data:`MAX_SEGMENTS` and with at least :data:`MIN_SEGMENT_CHUNKS` chunks of 64 each.
 
     Args:
