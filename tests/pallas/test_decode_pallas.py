@@ -18,6 +18,7 @@ import pytest
 from gdn_cases import run_interpreted
 
 import gdn_jax
+from gdn_jax.ops import _step_pallas
 from gdn_jax.ops._step_pallas import step_pallas
 from gdn_jax.testing import check_2x, random_inputs, rel_rms, upcast
 from pallas_kernels import _compat as pk
@@ -65,6 +66,14 @@ def _check(variant, args, state, *, tight: bool, jit: bool = False):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_interpret_matches_recurrence(variant, T):
     args, state = _inputs(variant, 0, B=2, T=T, H=2, HV=4, D=64)
+    run_interpreted(_check, variant, args, state, tight=True)
+
+
+@pytest.mark.parametrize("variant", ["gdn", "gdn2"])
+def test_interpret_narrow_value_blocks(variant, monkeypatch):
+    """32 value columns per CTA (two CTAs per head at V = 64): the small-batch form."""
+    monkeypatch.setattr(_step_pallas, "BLOCK_V", 32)
+    args, state = _inputs(variant, 5, B=1, T=3, H=2, HV=4, D=64)
     run_interpreted(_check, variant, args, state, tight=True)
 
 
@@ -197,9 +206,11 @@ def test_not_implemented_and_fallback():
         gdn_jax.gated_delta_rule_step(*args, state, implementation="triton")
 
 
-@pytest.mark.parametrize("variant,D,HV,T", [("gdn", 128, 32, 1), ("kda", 64, 4, 3),
-                                            ("gdn2", 128, 16, 2)])  # fmt: skip
-def test_lowers_for_cuda_with_state_aliased(variant, D, HV, T):
+@pytest.mark.parametrize("variant,D,HV,T,block_v", [("gdn", 128, 32, 1, 64), ("kda", 64, 4, 3, 64),
+                                                    ("gdn2", 128, 16, 2, 64),
+                                                    ("gdn2", 128, 16, 2, 32)])  # fmt: skip
+def test_lowers_for_cuda_with_state_aliased(variant, D, HV, T, block_v, monkeypatch):
+    monkeypatch.setattr(_step_pallas, "BLOCK_V", block_v)
     B, H = 8, 4
     bf, f = jnp.bfloat16, jnp.float32
     S = jax.ShapeDtypeStruct
@@ -266,6 +277,16 @@ GPU_CASES = [
 def test_gpu_matches_recurrence(variant, B, T, H, HV):
     args, state = _inputs(variant, 7, B=B, T=T, H=H, HV=HV, D=128)
     _check(variant, args, state, tight=False, jit=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_v", [32, 64])
+@pytest.mark.parametrize("variant,B", [("gdn", 1), ("gdn2", 8)])
+def test_gpu_small_batch(variant, B, block_v, monkeypatch):
+    """B1 and B8, where 32 value columns per CTA give more CTAs (bench_decode.py --block-v)."""
+    monkeypatch.setattr(_step_pallas, "BLOCK_V", block_v)
+    args, state = _inputs(variant, 8, B=B, T=2, H=16, HV=16, D=128)
+    _check(variant, args, state, tight=False)  # eager: BLOCK_V is read when the step is traced
 
 
 def _packed_prefill_then_decode(P, steps, H, HV, D, impl):
