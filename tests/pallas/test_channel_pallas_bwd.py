@@ -483,8 +483,7 @@ def test_interpret_kernels(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow  # quick: the one-CTA dq/dk/dw and unsplit WY kernels run against the formulas
-# in test_gpu_ksplit_dqkw / test_gpu_ksplit_wy, bwd_dh through every op test's gradients
+@pytest.mark.slow  # quick: each kernel end to end, through every gradient of the op tests
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 def test_gpu_kernels(variant):
     x = gpu_kernel_inputs(variant)
@@ -496,6 +495,8 @@ def test_gpu_kernels(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # quick: both forms end to end, k_split in test_channel_pallas.py's DENSE cases
+# (K = V = 128, GVA), one_cta in its PACKED ones (K != V), every gradient under the 2x rule
 @pytest.mark.parametrize("variant,H,HV", [("kda", 4, 8), ("gdn2", 8, 8)])
 def test_gpu_ksplit_dqkw(variant, H, HV):
     """K-split dq/dk/dw against the one-CTA form and the formulas, with and without GVA."""
@@ -505,6 +506,7 @@ def test_gpu_ksplit_dqkw(variant, H, HV):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # quick: the K-split WY in the DENSE op cases, the unsplit one in the PACKED ones
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 def test_gpu_ksplit_wy(variant):
     """K-split WY backward against the unsplit kernel and the formulas (tolerance 2e-2)."""
@@ -514,6 +516,8 @@ def test_gpu_ksplit_wy(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # quick: the split intra in the DENSE op cases (bf16, K = V = 128, A stored),
+# the one-CTA intra in the PACKED ones (K != V)
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 def test_gpu_intra_split(variant):
     """The split intra kernel against the one-CTA kernel and the formulas, with GVA."""
