@@ -37,6 +37,7 @@ import math
 import statistics
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -166,21 +167,14 @@ def bench_jax(
     return r
 
 
-@contextlib.contextmanager
 def forced_segments(segments: int | None):
-    """The public GDN op with its segment count fixed to ``segments`` (None: its own choice), so
+    """Context in which the public GDN op uses ``segments`` segments (None: its own choice), so
     that forced counts are timed through the same op (input sanitation included) as the default."""
     if segments is None:
-        yield
-        return
+        return contextlib.nullcontext()
     from gdn_jax.ops import _gdn_pallas
 
-    chosen = _gdn_pallas._segments_for
-    _gdn_pallas._segments_for = lambda *a, **kw: segments
-    try:
-        yield
-    finally:
-        _gdn_pallas._segments_for = chosen
+    return mock.patch.object(_gdn_pallas, "_segments_for", lambda *a, **kw: segments)
 
 
 QAT_CONFIGS = ("off", "column_row", "matrix_tile")

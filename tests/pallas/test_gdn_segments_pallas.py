@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gdn_cases import lowered_kernels
+from gdn_cases import lowered_kernels, run_interpreted
 
 from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas
 from gdn_jax.reference import recurrent_gated_delta_rule
@@ -106,33 +106,27 @@ def test_segments_lower_for_cuda(packed):
     assert found == set(SEGMENT_KERNELS), found
 
 
+def _interpreted_2x(T, cu, S, dtype, gate_scale):
+    """One packed lane (H 1, HV 2: GVA; K = V = 64) with states at S segments under the Mosaic GPU
+    interpreter: o, final state and every gradient under the 2x rule against the recurrence."""
+    x, cu, cts = _case(0, 1, T, 1, 2, 64, 64, cu, gate_scale=gate_scale)
+    ref32 = _grads(recurrent_gated_delta_rule, x, cu, jnp.float32, cts, reference=True)
+    ref_lo = _grads(recurrent_gated_delta_rule, x, cu, dtype, cts, reference=True)
+    got = run_interpreted(_grads, _op(S), x, cu, dtype, cts)
+    print(check_2x(NAMES, got, ref_lo, ref32, floor=1e-5))
+
+
 def test_interpret_segments_packed_states():
     """S = 4 on one packed lane of 5 chunks (padded to 8): a sequence spans segments 1 and 2,
     so a non-zero segment map carries state between segments; GVA; empty sequence."""
-    x, cu, cts = _case(0, 1, 256, 1, 2, 64, 64, [0, 20, 20, 256], gate_scale=0.05)
-    ref32 = _grads(recurrent_gated_delta_rule, x, cu, jnp.float32, cts, reference=True)
-    ref_lo = _grads(recurrent_gated_delta_rule, x, cu, jnp.bfloat16, cts, reference=True)
-    with pk.use_mode("interpret"):
-        try:
-            got = _grads(_op(4), x, cu, jnp.bfloat16, cts)
-        finally:
-            pk.reset_interpreter()
-    print(check_2x(NAMES, got, ref_lo, ref32, floor=1e-5))
+    _interpreted_2x(256, [0, 20, 20, 256], 4, jnp.bfloat16, gate_scale=0.05)
 
 
 def test_interpret_segments_f16_decayed_maps():
     """f16 io, S = 2 segments of 4 chunks, full-strength gates: the segment maps' columns decay
-    through f32's 1e-35 .. 1e-38 range, where an unfloored f16 staging scale (2^14 / amax)
-    overflows to inf and every gradient came out non-finite."""
-    x, cu, cts = _case(0, 1, 512, 1, 2, 64, 64, [0, 20, 20, 512], gate_scale=1.0)
-    ref32 = _grads(recurrent_gated_delta_rule, x, cu, jnp.float32, cts, reference=True)
-    ref_lo = _grads(recurrent_gated_delta_rule, x, cu, jnp.float16, cts, reference=True)
-    with pk.use_mode("interpret"):
-        try:
-            got = _grads(_op(2), x, cu, jnp.float16, cts)
-        finally:
-            pk.reset_interpreter()
-    print(check_2x(NAMES, got, ref_lo, ref32, floor=1e-5))
+    through f32's 1e-35 .. 1e-38 range, where the f16 staging scale 2^14 / amax would overflow
+    without its amax floor."""
+    _interpreted_2x(512, [0, 20, 20, 512], 2, jnp.float16, gate_scale=1.0)
 
 
 # ------------------------------------------------------------------------------------------------
