@@ -146,7 +146,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--HV", type=int, default=base.HV)
     p.add_argument("--D", type=int, default=base.K)
     p.add_argument("--timing", choices=("loop", "call", "both"), default="both")
-    p.add_argument("--block-v", type=int, default=None, help="pallas: V columns per CTA")
+    p.add_argument(
+        "--block-v",
+        type=int,
+        default=None,
+        help="pallas: force V columns per CTA (default: _step_pallas.value_block)",
+    )
     p.add_argument(
         "--json", default="auto", help="results file to update; auto: the topic file on a GPU"
     )

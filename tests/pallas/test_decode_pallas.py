@@ -70,9 +70,10 @@ def test_interpret_matches_recurrence(variant, T):
 
 
 @pytest.mark.parametrize("variant", ["gdn", "gdn2"])
-def test_interpret_narrow_value_blocks(variant, monkeypatch):
-    """32 value columns per CTA (two CTAs per head at V = 64): the small-batch form."""
-    monkeypatch.setattr(_step_pallas, "BLOCK_V", 32)
+def test_interpret_wide_value_blocks(variant, monkeypatch):
+    """64 value columns per CTA (one CTA per head at V = 64): the large-batch form (the tiny
+    shapes here get 32 by default, value_block)."""
+    monkeypatch.setattr(_step_pallas, "BLOCK_V", 64)
     args, state = _inputs(variant, 5, B=1, T=3, H=2, HV=4, D=64)
     run_interpreted(_check, variant, args, state, tight=True)
 
@@ -206,6 +207,30 @@ def test_not_implemented_and_fallback():
         gdn_jax.gated_delta_rule_step(*args, state, implementation="triton")
 
 
+def test_value_block_rule(monkeypatch):
+    """32 value columns per CTA while 64 would give fewer than two CTAs per SM; the step applies
+    the rule unless BLOCK_V forces a width."""
+    # H200 (132 SMs), HV 16, V 128: 64-column blocks give B · 32 CTAs, < 264 up to B 8
+    assert [_step_pallas.value_block(B, 16, 128, 132) for B in (1, 2, 4, 8, 9, 64, 256)] == [
+        32, 32, 32, 32, 64, 64, 64,
+    ]  # fmt: skip
+    assert _step_pallas.value_block(8, 16, 64, 132) == 32  # V 64: one block per head
+    assert _step_pallas.value_block(17, 16, 64, 132) == 64
+    assert _step_pallas.value_block(1, 16, 128, 16) == 64  # a small GPU
+    seen = []
+    monkeypatch.setattr(_step_pallas, "decode_step", lambda *a: seen.append(a[-1].block_v) or a)
+    monkeypatch.setattr(_step_pallas, "sm_count", lambda: 132)
+    with pk.use_mode("interpret"):
+        for B in (1, 64):
+            x = random_inputs(0, B=B, T=1, H=4, HV=16, K=128, V=128)
+            step_pallas(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"],
+                        scale=0.1, use_qk_l2norm=False)  # fmt: skip
+        monkeypatch.setattr(_step_pallas, "BLOCK_V", 128)
+        step_pallas(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"],
+                    scale=0.1, use_qk_l2norm=False)  # fmt: skip
+    assert seen == [32, 64, 128]
+
+
 @pytest.mark.parametrize("variant,D,HV,T,block_v", [("gdn", 128, 32, 1, 64), ("kda", 64, 4, 3, 64),
                                                     ("gdn2", 128, 16, 2, 64),
                                                     ("gdn2", 128, 16, 2, 32)])  # fmt: skip
@@ -283,7 +308,8 @@ def test_gpu_matches_recurrence(variant, B, T, H, HV):
 @pytest.mark.parametrize("block_v", [32, 64])
 @pytest.mark.parametrize("variant,B", [("gdn", 1), ("gdn2", 8)])
 def test_gpu_small_batch(variant, B, block_v, monkeypatch):
-    """B1 and B8, where 32 value columns per CTA give more CTAs (bench_decode.py --block-v)."""
+    """B1 and B8, where 32 value columns per CTA give more CTAs (the default there: value_block),
+    and 64 (bench_decode.py --block-v)."""
     monkeypatch.setattr(_step_pallas, "BLOCK_V", block_v)
     args, state = _inputs(variant, 8, B=B, T=2, H=16, HV=16, D=128)
     _check(variant, args, state, tight=False)  # eager: BLOCK_V is read when the step is traced
