@@ -18,6 +18,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import core as _mgpu_core
@@ -198,6 +199,57 @@ def _install_stable_kernel_modules() -> None:
 
 
 _install_stable_kernel_modules()
+
+# the Mosaic GPU interpreter's modules (its callbacks; thread_map is shared with Mosaic TPU's)
+_INTERPRETER_MODULES = (
+    "jax._src.pallas.mosaic_gpu.interpret.",
+    "jax._src.pallas.mosaic.interpret.",
+)
+
+
+def _install_host_operand_interpreter_callbacks() -> None:
+    """Hands the Mosaic GPU interpreter's callbacks NumPy operands, so they dispatch no JAX op.
+
+    ``io_callback`` ``device_put``s its operands onto the CPU before calling the Python function,
+    and the interpreter's callbacks then compute with those ``jax.Array``s (e.g.
+    ``shared_memory.wait_smem_to_gmem`` compares one with a count while holding the interpreter's
+    lock, ``_deallocate_barrier`` reshapes one). Each such op is a nested CPU computation started
+    from inside a running one, and on jax 0.11.2 under CPU contention (two interpreter processes
+    on two cores) it sometimes never returns: the kernel, and its test, hang. With NumPy operands
+    the callbacks run plain NumPy; the interpreter's only ``jax.Array`` check on them
+    (``shared_memory._to_int``) is taught NumPy integers. Other ``io_callback``s are unchanged.
+    """
+    from jax._src import callback
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
+
+    original = callback.io_callback_impl
+    if getattr(original, "host_operands", False):
+        return
+
+    def interpreter_callback(flat_callback) -> bool:
+        f = flat_callback.callback_func
+        f = getattr(f, "func", f)  # functools.partial
+        return getattr(f, "__module__", "").startswith(_INTERPRETER_MODULES)
+
+    def impl(*args, result_avals, callback, sharding, ordered):
+        if not interpreter_callback(callback):
+            return original(
+                *args, result_avals=result_avals, callback=callback, sharding=sharding,
+                ordered=ordered,
+            )  # fmt: skip
+        return jax.tree.map(np.asarray, callback(*jax.tree.map(np.asarray, args)))
+
+    to_int = shared_memory._to_int
+
+    def to_int_or_numpy(x):
+        return int(x) if isinstance(x, np.ndarray | np.integer) else to_int(x)
+
+    impl.host_operands = True
+    callback.io_callback_impl = impl  # io_callback's lowering looks it up at each call
+    shared_memory._to_int = to_int_or_numpy
+
+
+_install_host_operand_interpreter_callbacks()
 
 
 def transforms_for(cols: int, dtype) -> tuple:
