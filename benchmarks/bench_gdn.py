@@ -248,7 +248,9 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
 
 
 def bench_stages(s, x) -> dict:
-    """Per-kernel times of the pallas path (padded layout, T a multiple of 64)."""
+    """Per-kernel times of the pallas path (padded layout, T a multiple of 64), and of the public
+    op's input sanitation and output poisoning around them."""
+    from gdn_jax.ops import _sanitize
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
     from pallas_kernels.gdn.bwd_wy import bwd_wy
@@ -281,7 +283,14 @@ def bench_stages(s, x) -> dict:
     dqkw = jax.jit(lambda *a: bwd_dqkw(*a, scale=s.K**-0.5))
     dw = dqkw(q, k, h, dh, vn, do, dv2, G)[2]
     wy = jax.jit(bwd_wy)
+    # the public op's edge-value handling around the kernels (gdn_jax/ops/_sanitize.py)
+    g_raw, b_raw = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
+    sanitize = jax.jit(lambda q, k, v, g, b: _sanitize.inputs(q, k, v, g, (b,), (), None))
+    poison = sanitize(q, k, v, g_raw, b_raw)[1]
+    poison_o = jax.jit(lambda p, o: p.output(o))
     return {
+        "sanitize_inputs": time_jax(sanitize, (q, k, v, g_raw, b_raw)),
+        "poison_output": time_jax(poison_o, (poison, do)),
         "gdn_intra": time_jax(intra, (k, v, G, beta)),
         "gdn_intra(store_a)": time_jax(intra_a, (k, v, G, beta)),
         "gdn_chunk_fwd": time_jax(fwd, (q, k, w, u, G, h0)),
