@@ -17,8 +17,10 @@ only, this script sets ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`` and 
 
 Results: the run updates the ``ops`` file of :mod:`benchmarks.results` (rows ``variant, shape,
 mode, dtype, pallas_ms, xla_ms, fla_ms, floor_ms``; ``--qat`` rows add ``qat``; ``--stages`` adds
-``stages``, per-kernel times), by default ``benchmarks/results/ops_<device>.json`` on a GPU;
-it is rewritten after every shape, so a run cut short keeps what it measured.
+``stages``, per-kernel times: ours each timed alone, FLA's from a ``torch.profiler`` trace of its
+forward and of its forward+backward when ``fla`` is among the impls), by default
+``benchmarks/results/ops_<device>.json`` on a GPU; it is rewritten after every shape, so a run cut
+short keeps what it measured.
 
 Long context (``benchmarks.shapes.LONG_CONTEXT``, packed ``_P`` shapes run with ``cu_seqlens``):
 every row prints the segment count the pallas path picks (``pallas_segments``); on shapes where
@@ -439,11 +441,13 @@ def bench_channel_stages(s, x, variant) -> dict:
     return times
 
 
-def bench_fla(s, x, variant="gdn", fwd_only=False, dtype="bfloat16") -> dict:
+def _fla_calls(s, x, variant: str, dtype: str):
+    """FLA's op on the inputs ``x`` as ``(fwd, fwd_bwd, grads, patched)``: the no-grad forward, the
+    forward + ``o.backward(do)``, the tensors whose gradients it sets, and whether the Triton gate
+    of FLA's gated backward had to be forced on."""
     import fla.ops.common.chunk_o as fla_chunk_o
     import fla.utils
     import torch
-    import triton
 
     if variant == "kda":
         from fla.ops.kda import chunk_kda as chunk_gated_delta_rule
@@ -475,7 +479,13 @@ def bench_fla(s, x, variant="gdn", fwd_only=False, dtype="bfloat16") -> dict:
         o = chunk_gated_delta_rule(q, k, v, *gates, scale=s.K**-0.5, **kw)[0]
         o.backward(do)
 
-    grads = [q, k, v, *gates]
+    return fwd, fb, [q, k, v, *gates], patched
+
+
+def bench_fla(s, x, variant="gdn", fwd_only=False, dtype="bfloat16") -> dict:
+    import triton
+
+    fwd, fb, grads, patched = _fla_calls(s, x, variant, dtype)
     f_ms = triton.testing.do_bench(fwd, warmup=50, rep=300, return_mode="median")
     if fwd_only:
         return {"fwd_ms": f_ms}
@@ -483,6 +493,46 @@ def bench_fla(s, x, variant="gdn", fwd_only=False, dtype="bfloat16") -> dict:
         fb, warmup=50, rep=500, grad_to_none=grads, return_mode="median"
     )
     return {"fwd_ms": f_ms, "fwdbwd_ms": fb_ms, "patched_triton_gate": patched}
+
+
+def kernel_times(averages, iters: int) -> dict[str, float]:
+    """Per-call device ms of every GPU kernel in a ``torch.profiler`` ``key_averages()`` over
+    ``iters`` calls, heaviest first (host-side events, which carry no device time of their own,
+    are left out)."""
+    out: dict[str, float] = {}
+    for e in averages:
+        if str(e.device_type).rsplit(".", 1)[-1] != "CUDA":
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            out[e.key] = out.get(e.key, 0.0) + us / iters / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def fla_stages(s, x, variant: str, dtype: str, iters: int = 20) -> dict[str, float]:
+    """FLA's kernels by name in its forward and in its forward+backward (``torch.profiler``,
+    after warm-up and autotuning): ``{"fwd: <kernel>": ms, "fwdbwd: <kernel>": ms, ...}``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd, fb, grads, _ = _fla_calls(s, x, variant, dtype)
+    times = {}
+    for mode, fn in (("fwd", fwd), ("fwdbwd", fb)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+                for t in grads:
+                    t.grad = None
+            torch.cuda.synchronize()
+        times.update(
+            {f"{mode}: {k}": v for k, v in kernel_times(prof.key_averages(), iters).items()}
+        )
+    return times
 
 
 def main(argv=None):
@@ -570,11 +620,19 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001
                     row["pallas_stages_ms"][f"S{S} error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(name, "stages", json.dumps(row["pallas_stages_ms"]), flush=True)
+            if "fla" in a.impls:
+                try:
+                    row["fla_stages_ms"] = fla_stages(s, x, a.variant, a.dtype)
+                except Exception as e:  # noqa: BLE001
+                    row["fla_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                print(name, "fla stages", json.dumps(row["fla_stages_ms"]), flush=True)
             stages += [
-                {"variant": a.variant, "shape": name, "dtype": a.dtype, "kernel": k, "ms": v}
-                for k, v in row["pallas_stages_ms"].items()
+                {"variant": a.variant, "shape": name, "dtype": a.dtype, "impl": impl,
+                 "kernel": k, "ms": v}
+                for impl in ("pallas", "fla")
+                for k, v in row.get(f"{impl}_stages_ms", {}).items()
                 if isinstance(v, float)
-            ]
+            ]  # fmt: skip
         rows.append(row)
         # rewritten after every shape, so a run cut short keeps what it measured
         result_rows = [x for r in rows for x in ops_rows(r)]

@@ -121,6 +121,7 @@ def ops_section(doc: dict) -> list[str]:
         out += ["", "![ops vs FLA](ops_vs_fla.png)"]
     if long_context_rows(doc):
         out += ["", "![GDN time vs sequence length at batch 1](ops_vs_T.png)"]
+    out += stages_section(doc.get("stages", []), doc)
     qat = [r for r in doc["rows"] if r.get("qat") is not None]
     if qat:
         base = {(r["shape"], r["mode"]): r.get("pallas_ms") for r in qat if r["qat"] == "off"}
@@ -134,6 +135,56 @@ def ops_section(doc: dict) -> list[str]:
         out += _table(["shape", "mode", "QAT (state + w)", "pallas ms", "vs off", "runs"], body)
         out += _run_lines(qat, doc)
     return out
+
+
+STAGE_TOP = 8  # kernels listed per pass; the rest are summed
+
+
+def _stage_cell(kernels: list[tuple[str, float]]) -> str:
+    kernels = sorted(kernels, key=lambda kv: -kv[1])
+    cells = [f"`{k}` {ms:.3f}" for k, ms in kernels[:STAGE_TOP]]
+    rest = kernels[STAGE_TOP:]
+    if rest:
+        cells.append(f"{len(rest)} others {sum(ms for _, ms in rest):.3f}")
+    return ", ".join(cells)
+
+
+def stages_section(stages: list[dict], doc: dict) -> list[str]:
+    """Per-kernel times: ours (each kernel timed alone, ``bench_gdn.py --stages``) and FLA's
+    (profiled in its forward and its forward+backward), one row per (shape, implementation,
+    pass), heaviest kernels first."""
+    if not stages:
+        return []
+    groups: dict[tuple, list[tuple[str, float]]] = {}
+    for r in stages:
+        impl = r.get("impl", "pallas")
+        what, kernel = ("kernels", r["kernel"]) if impl == "pallas" else r["kernel"].split(": ", 1)
+        key = (r["variant"], r["dtype"], r["shape"], impl, what)
+        groups.setdefault(key, []).append((kernel, r["ms"]))
+    body = [
+        [
+            v,
+            d,
+            shape,
+            impl,
+            what,
+            _ms(None if impl == "pallas" else sum(ms for _, ms in ks)),
+            _stage_cell(ks),
+        ]
+        for (v, d, shape, impl, what), ks in sorted(groups.items())
+    ]
+    out = [
+        "",
+        "### Stages",
+        "",
+        "Kernel times in ms: ours each timed alone (`bench_gdn.py --stages`: forward and backward "
+        "kernels, with the op's input sanitation and output poisoning and, for split loops, each "
+        "segment count's kernels), FLA's from a `torch.profiler` trace of its forward (`fwd`) "
+        "and of its forward+backward (`fwdbwd`; `sum`: the pass's kernel time).",
+        "",
+    ]
+    out += _table(["variant", "io", "shape", "impl", "pass", "sum", "kernels"], body)
+    return out + _run_lines(stages, doc)
 
 
 def decode_section(doc: dict) -> list[str]:

@@ -12,7 +12,7 @@ device::
      "fla": "0.6.0" | null,                                  (ops only)
      "runs": [{"date", "commit", "command", "note", "versions"}, ...],
      "rows": [{...fields..., "run": 3}, ...],
-     "stages": [{"variant", "shape", "dtype", "kernel", "ms", "run"}, ...]}   (ops, optional)
+     "stages": [{"variant", "shape", "dtype", "impl", "kernel", "ms", "run"}, ...]}  (ops, opt.)
 
 The top-level ``date``, ``commit``, ``command``, ``versions``, ``note`` (and ops' ``fla``) are
 those of the newest run, ``runs[-1]``. Each row's ``run`` indexes ``runs``: the run that
@@ -73,7 +73,7 @@ KEYS = {
     # one profile's table: a new profile of a step replaces the ops of the same rank
     "profile": ("preset", "layers", "batch", "seq", "setting", "what", "rank"),
 }
-STAGE_KEYS = ("variant", "shape", "dtype", "kernel")  # the ops file's per-kernel times
+STAGE_KEYS = ("variant", "shape", "dtype", "impl", "kernel")  # the ops file's per-kernel rows
 RUN_FIELDS = ("date", "commit", "command", "note", "versions")  # what each entry of runs says
 
 
@@ -227,7 +227,7 @@ def write(
         rows: the rows this run measured (fields per topic in the module docstring).
         date: the run's start, ISO 8601 (:func:`now`); with the command it identifies the run.
         note: conditions a reader needs, or None.
-        stages: ops only: ``{"variant", "shape", "dtype", "kernel", "ms"}`` per kernel.
+        stages: ops only: ``{"variant", "shape", "dtype", "impl", "kernel", "ms"}`` per kernel.
     """
     import jax
 

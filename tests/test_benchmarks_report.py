@@ -172,3 +172,48 @@ def test_long_context_plot_groups_batch_one_rows(tmp_path):
     assert not report.plot_long_context(one, tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
     assert "ops_vs_T.png" not in "\n".join(report.ops_section(one))
+
+
+def test_stage_rows_of_both_impls_are_kept_and_rendered():
+    """--stages rows of ours and FLA's (keyed with their impl) replace only their own key, and
+    render as one row per (shape, impl, pass), heaviest kernels first, FLA's passes summed."""
+    results, report = _results(), _report()
+    run = dict(date="d0", commit="abc", command="bench_gdn.py --stages", note=None, versions={})
+    base = dict(variant="kda", shape="B4_T4096_H16_HV16_D128", dtype="bfloat16")
+    stages = [
+        base | dict(impl="pallas", kernel="chan_intra", ms=1.4),
+        base | dict(impl="pallas", kernel="chan_bwd_wy", ms=2.0),
+        base | dict(impl="fla", kernel="fwd: chunk_kda_fwd_kernel_intra", ms=0.3),
+        base | dict(impl="fla", kernel="fwd: chunk_gated_delta_rule_fwd_kernel_h", ms=0.5),
+        base | dict(impl="fla", kernel="fwdbwd: chunk_kda_bwd_kernel_wy", ms=0.7),
+    ]
+    doc = results.add_run(None, "ops", "GPU", run, [], stages)
+    again = results.add_run(doc, "ops", "GPU", run | dict(date="d1"), [], stages[:1])
+    assert len(again["stages"]) == 5 and again["stages"][0]["run"] == 1
+    assert {r["run"] for r in again["stages"][1:]} == {0}
+    text = "\n".join(report.stages_section(again["stages"], again))
+    rows = [ln for ln in text.splitlines() if ln.startswith("| kda")]
+    assert len(rows) == 3  # pallas kernels, FLA fwd, FLA fwdbwd
+    fla_fwd = next(r for r in rows if "| fla | fwd |" in r)
+    assert "| 0.800 |" in fla_fwd  # the pass's sum
+    assert fla_fwd.index("fwd_kernel_h") < fla_fwd.index("fwd_kernel_intra")  # heaviest first
+    ours = next(r for r in rows if "| pallas | kernels |" in r)
+    assert "| — |" in ours and ours.index("chan_bwd_wy") < ours.index("chan_intra")
+    assert report.stages_section([], doc) == []
+
+
+def test_kernel_times_keeps_device_kernels_only():
+    import sys
+    from types import SimpleNamespace as E
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_gdn import kernel_times
+
+    events = [
+        E(key="aten::mm", device_type="DeviceType.CPU", self_device_time_total=40.0),
+        E(key="k_a", device_type="DeviceType.CUDA", self_device_time_total=300.0),
+        E(key="k_b", device_type="DeviceType.CUDA", self_device_time_total=900.0),
+        E(key="k_idle", device_type="DeviceType.CUDA", self_device_time_total=0.0),
+    ]
+    assert kernel_times(events, iters=3) == {"k_b": 0.3, "k_a": 0.1}
+    assert list(kernel_times(events, iters=3)) == ["k_b", "k_a"]
