@@ -267,6 +267,15 @@ def rows_from(ours: dict, torch: dict | None, args) -> list[dict]:
     return rows
 
 
+def run_note(dry_run: bool, torch: dict | None) -> str | None:
+    """The run's note: a dry run says so; the transformers side's versions (FLA's among them, or
+    why it did not import) are recorded, since its kernels depend on them."""
+    parts = ["dry run (CPU smoke)"] if dry_run else []
+    if torch is not None and "versions" in torch:
+        parts.append("torch side: " + ", ".join(f"{k} {v}" for k, v in torch["versions"].items()))
+    return "; ".join(parts) or None
+
+
 def table(rows: list[dict]) -> str:
     fmt = lambda x: "-" if x is None else (f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}")
     lines = ["| what | batch | seq | gdn_jax | transformers+FLA | ours / torch (>1 better) |",
@@ -316,7 +325,7 @@ def main(argv=None) -> list[dict]:
         print("(no transformers numbers)")
     elif "versions" in torch:
         print(f"torch side: {torch['versions']}")
-    note = "dry run (CPU smoke)" if args.dry_run else None
+    note = run_note(args.dry_run, torch)
     results.write(results.output_path(args.json, "hf"), "hf", rows, date=results.now(), note=note)
     return rows
 
