@@ -17,7 +17,8 @@ in q only token t's outputs. The final state is NaN in the same heads and column
 outputs are exactly those of the same inputs with the bad value replaced by any finite one.
 
 Cost: one elementwise pass over the inputs (``isfinite``, the replacement) and over the output,
-and a min-reduction over T of a [B, T, HV, V] flag (a segment-min with ``cu_seqlens``).
+and min-reductions over T of a [B, T, HV] and a [B, T, HV, V] flag (segment-mins with
+``cu_seqlens``).
 """
 
 from __future__ import annotations
@@ -119,13 +120,20 @@ def inputs(q, k, v, g, heads, cols, cu_seqlens):
     col = ~jnp.isfinite(v)
     for x in cols:
         col = col | ~jnp.isfinite(x)
-    t = jnp.arange(T, dtype=jnp.int32)[None, :, None, None]
-    idx = jnp.where(head[..., None] | col, t, T)  # [B, T, HV, V]
+    t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+    # first bad token per head and per value column, reduced apart (head flags are never
+    # broadcast over V), then combined
+    head_idx = jnp.where(head, t, T)  # [B, T, HV]
+    col_idx = jnp.where(col, t[..., None], T)  # [B, T, HV, V]
     if cu_seqlens is None:
-        seq, first = None, jnp.min(idx, axis=1)
+        seq = None
+        first = jnp.minimum(jnp.min(head_idx, axis=1)[..., None], jnp.min(col_idx, axis=1))
     else:
         seq = sequence_ids(cu_seqlens, T)
-        first = jax.ops.segment_min(idx[0], seq, num_segments=cu_seqlens.shape[0] - 1)
+        n = cu_seqlens.shape[0] - 1
+        first_head = jax.ops.segment_min(head_idx[0], seq, num_segments=n)
+        first_col = jax.ops.segment_min(col_idx[0], seq, num_segments=n)
+        first = jnp.minimum(first_head[..., None], first_col)
     clean = (
         finite(q),
         finite(k),
