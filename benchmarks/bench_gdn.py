@@ -503,11 +503,8 @@ def kernel_times(averages, iters: int) -> dict[str, float]:
     for e in averages:
         if str(e.device_type).rsplit(".", 1)[-1] != "CUDA":
             continue
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = e.self_cuda_time_total
-        if us > 0:
-            out[e.key] = out.get(e.key, 0.0) + us / iters / 1e3
+        if e.self_device_time_total > 0:
+            out[e.key] = out.get(e.key, 0.0) + e.self_device_time_total / iters / 1e3
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 

@@ -157,7 +157,7 @@ def stages_section(stages: list[dict], doc: dict) -> list[str]:
         return []
     groups: dict[tuple, list[tuple[str, float]]] = {}
     for r in stages:
-        impl = r.get("impl", "pallas")
+        impl = r["impl"]
         what, kernel = ("kernels", r["kernel"]) if impl == "pallas" else r["kernel"].split(": ", 1)
         key = (r["variant"], r["dtype"], r["shape"], impl, what)
         groups.setdefault(key, []).append((kernel, r["ms"]))

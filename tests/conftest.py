@@ -73,9 +73,8 @@ def shared_compiles(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     if "slow" not in (config.getoption("markexpr") or ""):
         # A test marked gpu and slow (a heavier shape, or a case whose path a quick GPU test
-        # covers) runs
-        # only when the -m expression names slow: -m gpu is the quick set, -m "gpu and slow"
-        # the heavy one.
+        # covers) runs only when the -m expression names slow: -m gpu is the quick set,
+        # -m "gpu and slow" the heavy one.
         heavy = [item for item in items if {"gpu", "slow"} <= set(item.keywords)]
         if heavy:
             config.hook.pytest_deselected(items=heavy)
