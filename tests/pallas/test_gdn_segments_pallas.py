@@ -54,28 +54,30 @@ def _case(seed, B, T, H, HV, K, V, cu, gate_scale):
     return x, (None if cu is None else jnp.asarray(cu, jnp.int32)), cts
 
 
-def _program(fn, cu, dtype, cts, *, reference=False):
-    """The jitted ``x -> (o, final_state, *grads)`` of ``fn`` (a reference: ``reference_jit``)."""
-    do, dht = cts
+def _program(fn, cu, dtype, *, reference=False):
+    """The jitted ``(x, (do, dht)) -> (o, final_state, *grads)`` of ``fn`` (a reference:
+    ``reference_jit``). The cotangents are arguments: closed over, they would be constants that
+    XLA folds at compile time (minutes at T = 131072)."""
 
-    def loss(q, k, v, g, beta, h0):
+    def loss(do, dht, q, k, v, g, beta, h0):
         o, s = fn(
             q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
             use_qk_l2norm=True,
         )  # fmt: skip
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * dht), (o, s)
 
-    def run(x):
+    def run(x, cts):
         args = [x["q"].astype(dtype), x["k"].astype(dtype), x["v"].astype(dtype)]
         args += [x["g"], x["beta"], x["initial_state"]]
-        (_, (o, s)), grads = jax.value_and_grad(loss, argnums=range(6), has_aux=True)(*args)
+        grad_fn = jax.value_and_grad(loss, argnums=range(2, 8), has_aux=True)
+        (_, (o, s)), grads = grad_fn(*cts, *args)
         return (o, s, *grads)
 
     return reference_jit(run) if reference else jax.jit(run)
 
 
 def _grads(fn, x, cu, dtype, cts, *, reference=False):
-    return _program(fn, cu, dtype, cts, reference=reference)(x)
+    return _program(fn, cu, dtype, reference=reference)(x, cts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,12 +155,12 @@ def _reference(name, case, dtype):
 
 def _check(name, case, S, dtype=jnp.bfloat16, *, deterministic=False):
     x, cu, cts = case
-    program = _program(_op(S), cu, dtype, cts)
-    got = program(x)
+    program = _program(_op(S), cu, dtype)
+    got = program(x, cts)
     ref32, ref_lo = _reference(name, case, jnp.float32), _reference(name, case, dtype)
     print(f"{name} segments={S}\n" + check_2x(NAMES, got, ref_lo, ref32, floor=1e-5))
     if deterministic:  # the segment combine and every kernel: bitwise the same on a rerun
-        for n, a, b in zip(NAMES, got, program(x), strict=True):
+        for n, a, b in zip(NAMES, got, program(x, cts), strict=True):
             assert np.array_equal(np.asarray(a), np.asarray(b)), n
     return got
 
