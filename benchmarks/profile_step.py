@@ -13,7 +13,7 @@ joins the op with the compiled HLO text for its opcode, its category (``gemm``, 
 
 Prints the top ``--top`` ops and the time per category; rows go to the ``profile`` file of
 :mod:`benchmarks.results` on a GPU (``benchmarks/results/profile_<device>.json``):
-``{preset, layers, batch, seq, setting, what ("op" | "category" | "total"), rank, name,
+``{preset, layers, batch, seq, setting, what ("op" | "category" | "scope" | "total"), rank, name,
 category, ms, share, count, source}`` with ``ms`` and ``count`` per step and ``share`` of the
 summed device time. The trace itself stays in ``--trace-dir`` (TensorBoard/xprof read it).
 """
@@ -89,8 +89,27 @@ def hlo_ops(hlo_text: str) -> dict[str, dict]:
             opcode=opcode,
             category=category(opcode, target and target.group(1), kind and kind.group(1), line),
             source=meta.group(1) if meta else "",
+            scope=scope(meta.group(1) if meta else ""),
         )
     return out
+
+
+# The model's ``jax.named_scope`` names (gdn_jax.models.hybrid, gdn_jax.nn.gated_deltanet,
+# bench_model's step), outermost first where they nest.
+SCOPES = ("optimizer", "lm_head", "attention", "gdn_in", "gdn_core", "gdn_out", "mlp", "norm")
+
+
+def scope(op_name: str) -> str:
+    """The model part an op belongs to, from its JAX ``op_name``: the first of :data:`SCOPES` in
+    it, with ``fwd`` or ``bwd`` (an op of a transposed computation) but for the optimizer;
+    ``"other"`` when it names none (the embedding, residual adds, XLA's own copies)."""
+    parts = re.split(r"[/()]", op_name)
+    for name in SCOPES:
+        if name in parts:
+            if name == "optimizer":
+                return name
+            return f"{name} {'bwd' if 'transpose(' in op_name else 'fwd'}"
+    return "other"
 
 
 def category(opcode: str, target: str | None, kind: str | None, line: str = "") -> str:
@@ -177,6 +196,13 @@ def summarise(times: dict, ops: dict, steps: int, top: int) -> list[dict]:
     for i, (cat, (ns, n)) in enumerate(sorted(by_cat.items(), key=lambda kv: -kv[1][0])):
         rows.append(dict(what="category", rank=i + 1, name=cat, category=cat, ms=ms(ns),
                          share=ns / total, count=n / steps, source=None))  # fmt: skip
+    by_scope: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for name, (ns, n) in times.items():
+        by_scope[ops.get(name, {}).get("scope", "other")][0] += ns
+        by_scope[ops.get(name, {}).get("scope", "other")][1] += n
+    for i, (sc, (ns, n)) in enumerate(sorted(by_scope.items(), key=lambda kv: -kv[1][0])):
+        rows.append(dict(what="scope", rank=i + 1, name=sc, category=None, ms=ms(ns),
+                         share=ns / total, count=n / steps, source=None))  # fmt: skip
     return rows
 
 
@@ -192,10 +218,11 @@ def table(rows: list[dict]) -> str:
         if r["what"] == "op":
             lines.append(f"| {r['rank']} | {r['name']} | {r['category']} | {r['ms']:.2f} | "
                          f"{r['share']:.1%} | {r['count']:g} | {r['source'] or ''} |")  # fmt: skip
-    lines += ["", "| category | ms/step | share | calls/step |", "|---|---|---|---|"]
-    for r in rows:
-        if r["what"] in ("category", "total"):
-            lines.append(f"| {r['name']} | {r['ms']:.2f} | {r['share']:.1%} | {r['count']:g} |")
+    for what in ("category", "scope"):
+        lines += ["", f"| {what} | ms/step | share | calls/step |", "|---|---|---|---|"]
+        for r in rows:
+            if r["what"] in (what, "total"):
+                lines.append(f"| {r['name']} | {r['ms']:.2f} | {r['share']:.1%} | {r['count']:g} |")
     return "\n".join(lines)
 
 
@@ -211,6 +238,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--trace-dir", default=None, help="default: a temporary folder")
     p.add_argument("--json", default="auto", help="results file: auto, PATH, none")
+    p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
     args = p.parse_args(argv)
 
     import jax
@@ -224,7 +252,10 @@ def main(argv=None) -> list[dict]:
     config = get_config(args.preset, **overrides)
     impl = args.implementation or ("pallas" if jax.default_backend() == "gpu" else "xla")
     s = build_step(config, args.setting, args.batch, args.seq, implementation=impl)
-    ops = hlo_ops(s.compiled.as_text())
+    hlo = s.compiled.as_text()
+    if args.hlo:
+        Path(args.hlo).write_text(hlo)
+    ops = hlo_ops(hlo)
     wall, s, _ = time_step(s, 1)  # warm-up, then one untraced step
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(args.trace_dir or tmp)

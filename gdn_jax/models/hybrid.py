@@ -318,13 +318,19 @@ class DecoderLayer(nnx.Module):
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, **fkw)
 
     def __call__(self, x, *, positions, mask, cu_seqlens):
-        h = self.input_norm(x)
+        # Scope names group the layer's ops in profiles (benchmarks/profile_step.py).
+        with jax.named_scope("norm"):
+            h = self.input_norm(x)
         if self.layer_type == "attention":
-            h = self.mixer(h, positions=positions, mask=mask)
+            with jax.named_scope("attention"):
+                h = self.mixer(h, positions=positions, mask=mask)
         else:
             h = self.mixer(h, cu_seqlens=cu_seqlens)
         x = x + h
-        return x + self.mlp(self.post_norm(x))
+        with jax.named_scope("norm"):
+            h = self.post_norm(x)
+        with jax.named_scope("mlp"):
+            return x + self.mlp(h)
 
     def extend(self, x, cache, pos):
         h = self.input_norm(x)
@@ -597,7 +603,8 @@ class HybridLM(nnx.Module):
             if chunk is None or chunk >= T:
                 chunk = T
             xn, targets, mask = _checks.pad_time(chunk, xn, targets, mask)  # padding: weight 0
-            return _head_cross_entropy(xn, w, targets, mask, chunk)
+            with jax.named_scope("lm_head"):
+                return _head_cross_entropy(xn, w, targets, mask, chunk)
         if chunk is None or chunk >= T:
             nll, correct = sums(x, targets, mask)
         else:

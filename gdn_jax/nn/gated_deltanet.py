@@ -264,21 +264,25 @@ class GatedDeltaNet(nnx.Module):
         cu_seqlens = prepare_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
         context = self.sharding is not None and bool(self.sharding.context)
         check_sequence_layout("GatedDeltaNet", "x", x, context=context)
-        q = self.q_conv(self.q_proj(x), cu_seqlens=cu_seqlens)
-        k = self.k_conv(self.k_proj(x), cu_seqlens=cu_seqlens)
-        v = self.v_conv(self.v_proj(x), cu_seqlens=cu_seqlens)
-        # Named so remat policies (gdn_jax.remat) can save, offload or recompute them.
-        qkv = remat.name(self._heads(q, k, v), remat.GDN_QKV)
-        gates = remat.name(self._gates(x), remat.GDN_GATES)
-        # The core never runs in FP8 (inputs upcast, TE autocast off inside; gdn_jax.fp8).
-        o, _ = fp8_lib.fp8_free(_OPS[self.variant][0])(
-            *qkv,
-            *gates,
-            use_qk_l2norm=self.use_qk_l2norm,
-            cu_seqlens=cu_seqlens,
-            **self._core_options(),
-        )
-        return self._output(o, x)
+        # Scope names group the layer's ops in profiles (benchmarks/profile_step.py).
+        with jax.named_scope("gdn_in"):
+            q = self.q_conv(self.q_proj(x), cu_seqlens=cu_seqlens)
+            k = self.k_conv(self.k_proj(x), cu_seqlens=cu_seqlens)
+            v = self.v_conv(self.v_proj(x), cu_seqlens=cu_seqlens)
+            # Named so remat policies (gdn_jax.remat) can save, offload or recompute them.
+            qkv = remat.name(self._heads(q, k, v), remat.GDN_QKV)
+            gates = remat.name(self._gates(x), remat.GDN_GATES)
+        with jax.named_scope("gdn_core"):
+            # The core never runs in FP8 (inputs upcast, TE autocast off inside; gdn_jax.fp8).
+            o, _ = fp8_lib.fp8_free(_OPS[self.variant][0])(
+                *qkv,
+                *gates,
+                use_qk_l2norm=self.use_qk_l2norm,
+                cu_seqlens=cu_seqlens,
+                **self._core_options(),
+            )
+        with jax.named_scope("gdn_out"):
+            return self._output(o, x)
 
     def init_cache(self, batch_size: int, dtype: Dtype = jnp.float32) -> GDNCache:
         """An empty decode cache (zeros): the state before the first token.
