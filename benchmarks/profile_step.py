@@ -16,13 +16,17 @@ Prints the top ``--top`` ops and the time per category; rows go to the ``profile
 ``{preset, layers, batch, seq, setting, what ("op" | "category" | "scope" | "total"), rank, name,
 category, ms, share, count, source}`` with ``ms`` and ``count`` per step and ``share`` of the
 summed device time. The trace itself stays in ``--trace-dir`` (TensorBoard/xprof read it).
+A ``+cmdbuf`` setting keeps XLA's GPU command buffers, whose kernels carry the command buffer's
+name instead of their op's: the per-op and per-part tables then cannot place them.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -239,6 +243,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--trace-dir", default=None, help="default: a temporary folder")
     p.add_argument("--json", default="auto", help="results file: auto, PATH, none")
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
+    p.add_argument(
+        "--xspace", default=None, help="also copy the trace's .xplane.pb file here (.gz: gzipped)"
+    )
     args = p.parse_args(argv)
 
     import jax
@@ -267,6 +274,11 @@ def main(argv=None) -> list[dict]:
         if not files:
             raise SystemExit(f"no *.xplane.pb under {trace_dir}: the profiler wrote no trace")
         times = op_times(files[-1])
+        if args.xspace:
+            with open(files[-1], "rb") as src:
+                opener = gzip.open if args.xspace.endswith(".gz") else open
+                with opener(args.xspace, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
     _, joined = join(times, ops)
     # time_step runs one warm-up step before the timed ones: steps + 1 steps were traced.
     rows = summarise(times, ops, args.steps + 1, args.top)

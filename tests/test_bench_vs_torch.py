@@ -132,3 +132,30 @@ def test_kernel_names_join_their_instructions():
     assert share == pytest.approx(0.8)
     cats = {r["name"] for r in profile_step.summarise(times, ops, 1, 3) if r["what"] == "category"}
     assert cats == {"fusion (elementwise)", "gemm", "copy"}
+
+
+def test_profile_scope_names_the_model_part_and_pass():
+    """Ops are placed in the model part whose ``jax.named_scope`` their op_name carries, in the
+    backward pass where the name is under a transpose; the optimizer has no pass; ops outside
+    every scope are ``other``."""
+    assert profile_step.scope("jit(step)/jvp(gdn_in)/dot_general") == "gdn_in fwd"
+    assert profile_step.scope("jit(step)/transpose(jvp(mlp))/dot_general") == "mlp bwd"
+    assert profile_step.scope("jit(step)/transpose(jvp(gdn_core))/jit(_core_bwd)/x") == (
+        "gdn_core bwd"
+    )
+    assert profile_step.scope("jit(step)/optimizer/jit(tree_bias_correction)/div") == "optimizer"
+    assert profile_step.scope("jit(step)/jvp()/add") == "other"
+    assert profile_step.scope("") == "other"
+
+
+def test_profile_step_attributes_time_to_model_parts():
+    """The tiny model's step, traced on the CPU: every named part of the model shows up in the
+    per-part rows, forward and backward, and their shares sum to 1."""
+    rows = profile_step.main(
+        ["--preset", "tiny", "--batch", "2", "--seq", "64", "--steps", "1", "--json", "none"]
+    )
+    parts = {r["name"]: r["share"] for r in rows if r["what"] == "scope"}
+    for part in ("gdn_in", "gdn_core", "gdn_out", "attention", "mlp", "norm"):
+        assert {f"{part} fwd", f"{part} bwd"} <= set(parts), (part, sorted(parts))
+    assert {"lm_head fwd", "optimizer"} <= set(parts)
+    assert sum(parts.values()) == pytest.approx(1.0)
