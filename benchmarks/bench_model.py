@@ -9,12 +9,11 @@ order until ``--budget-s`` is spent; results go to a printed table and ``--json`
     python benchmarks/bench_model.py --preset qwen3_5_0_8b --batch 4 --seq 2048
     python benchmarks/bench_model.py --preset tiny --layers 2 --seq 64 --iters 2   # CPU smoke
 
-Settings: ``<fp8>+<policy>[+overlap][+cmdbuf]``, fp8 in {bf16, native, te}, policy in {none
-(no checkpoint), save (every layer checkpointed, named tensors saved), offload (the GDN core's
+Settings: ``<fp8>+<policy>[+overlap]``, fp8 in {bf16, native, te}, policy in {none (no
+checkpoint), save (every layer checkpointed, named tensors saved), offload (the GDN core's
 residuals offloaded), offloadall (every named tensor offloaded), remat (everything recomputed)}.
-Steps are compiled with :func:`gdn_jax.remat.compiler_options`: XLA's GPU command buffers off
-(``+cmdbuf`` keeps them) and, for offloading steps, XLA's GPU latency-hiding scheduler off
-(``+overlap`` keeps it).
+Offloading steps are compiled with :func:`gdn_jax.remat.compiler_options` (XLA's GPU
+latency-hiding scheduler off); ``+overlap`` keeps the scheduler.
 
 Results: the run updates the ``model`` file of :mod:`benchmarks.results` (rows ``preset, layers,
 batch, seq, setting, step_ms, mfu, peak_gib, torch_eager_ms, torch_compile_ms`` and the memory
@@ -109,13 +108,10 @@ def build_step(
     offload_fraction: float = 1.0,
 ) -> TrainStep:
     """One AdamW step (:data:`ADAMW`; f32 parameters, bf16 compute) of ``HybridLM(config)``,
-    compiled for ``[batch, seq]`` tokens under ``setting``
-    (``<fp8>+<policy>[+overlap][+cmdbuf]``)."""
+    compiled for ``[batch, seq]`` tokens under ``setting`` (``<fp8>+<policy>[+overlap]``)."""
     backend, policy, *extra = setting.split("+")
-    if extra not in ([], ["overlap"], ["cmdbuf"], ["overlap", "cmdbuf"]) or policy not in _POLICIES:
-        raise ValueError(
-            f"{setting=}: expected <fp8>+<policy>[+overlap][+cmdbuf], policy in {_POLICIES}"
-        )
+    if extra not in ([], ["overlap"]) or policy not in _POLICIES:
+        raise ValueError(f"{setting=}: expected <fp8>+<policy>[+overlap], policy in {_POLICIES}")
     model = HybridLM(config, implementation=implementation, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     fp8.convert_projections(model, None if backend == "bf16" else backend)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -123,9 +119,7 @@ def build_step(
     opt_state = tx.init(params)
     spec = _spec(policy)
     policies = _policies(spec, config.num_layers, offload_threshold, offload_fraction)
-    options = remat.compiler_options(
-        spec, overlap_copies="overlap" in extra, command_buffers="cmdbuf" in extra
-    )
+    options = remat.compiler_options(spec, overlap_copies=bool(extra))
     tokens = jnp.asarray(make_tokens(batch, seq, config.vocab_size))
 
     def loss_fn(params, tokens):

@@ -261,29 +261,55 @@ def model_section(doc: dict) -> list[str]:
     return out
 
 
+PROFILE_TOP_OPS = 8  # ops listed per profiled step (the JSON keeps --top of them)
+
+
 def profile_section(doc: dict) -> list[str]:
-    rows = [r for r in doc["rows"] if r["what"] in ("total", "op", "category")]
-    rows.sort(key=lambda r: (r["preset"], r["batch"], r["seq"], r["setting"],
-                             ("total", "op", "category").index(r["what"]), r["rank"]))  # fmt: skip
-    body = []
-    for r in rows:
-        what = {"total": "total", "op": f"op {r['rank']}", "category": "category"}[r["what"]]
-        body.append([
-            f"{r['preset']} B{r['batch']} T{r['seq']} {r['setting']}", what, r["name"],
-            r.get("category") or "", f"{r['ms']:.2f}", f"{r['share']:.1%}",
-            f"{r['count']:g}", (r.get("source") or "").replace("|", "/"), _run_col(r),
-        ])  # fmt: skip
+    steps: dict[tuple, dict[str, list[dict]]] = {}
+    for r in doc["rows"]:
+        key = (r["preset"], r["batch"], r["seq"], r["setting"])
+        steps.setdefault(key, {}).setdefault(r["what"], []).append(r)
+    body, used = [], []
+    for (preset, batch, seq, setting), kinds in sorted(steps.items()):
+        (total,) = kinds["total"]
+        used.append(total)
+        parts = sorted(kinds.get("scope", []), key=lambda r: r["rank"])
+        ops = sorted(kinds.get("op", []), key=lambda r: r["rank"])[:PROFILE_TOP_OPS]
+        step = f"{preset} B{batch} T{seq} {setting}"
+        body.append(
+            [
+                step,
+                "model parts",
+                f"{total['ms']:.2f}",
+                ", ".join(f"`{r['name']}` {r['ms']:.2f} ({r['share']:.0%})" for r in parts),
+                _run_col(total),
+            ]
+        )
+        body.append(
+            [
+                step,
+                f"top {len(ops)} ops",
+                "",
+                ", ".join(
+                    f"`{r['name']}` {r['ms']:.2f} ({r['category']}; "
+                    f"{(r.get('source') or '').replace('|', '/')})"
+                    for r in ops
+                ),
+                _run_col(total),
+            ]
+        )
     out = [
         "## Train step profile",
         "",
         "Device time per step of the `bench_model` step under `jax.profiler.trace` "
-        "(`profile_step.py`): the top HLO ops by time, then the time per category; `JAX op` "
-        "is the op's `op_name` metadata.",
+        "(`profile_step.py`, XLA's GPU command buffers off so that each kernel names its op), "
+        "in ms: per model part (the model's `jax.named_scope`s; `bwd`: the backward pass; "
+        "`other`: ops outside them) with its share of the step, then the heaviest HLO ops "
+        "with their category and `op_name`.",
         "",
     ]
-    out += _table(["step", "row", "op", "category", "ms/step", "share", "calls/step",
-                   "JAX op", "runs"], body)  # fmt: skip
-    out += _run_lines(rows, doc)
+    out += _table(["step", "what", "device ms", "ms per part or op", "runs"], body)
+    out += _run_lines(used, doc)
     return out
 
 

@@ -16,10 +16,9 @@ to an action::
 
 Offloading can be limited to large tensors (``offload_threshold``, in elements: smaller ones
 are saved on the device, where a transfer would cost more than it frees) and to a fraction of
-the layers (:func:`layer_policies`). A train step is jitted with :func:`compiler_options`
-(``jax.jit(step, compiler_options=remat.compiler_options(spec))``): without it a step runs
-slower on the GPU, and one that offloads has XLA bring the offloaded tensors back long before
-the backward needs them.
+the layers (:func:`layer_policies`). A step that offloads is jitted with
+:func:`compiler_options` (``jax.jit(step, compiler_options=remat.compiler_options(spec))``), or
+on the GPU XLA brings the offloaded tensors back long before the backward needs them.
 """
 
 from __future__ import annotations
@@ -244,36 +243,22 @@ def spec_from_flags(remat: str = "save", offload: str | Sequence[str] | None = N
 # (bf16+offloadall+overlap) and to 3.53 GiB without it (bf16+offloadall; benchmarks/RESULTS.md).
 _SERIAL_COPIES = {"xla_gpu_enable_latency_hiding_scheduler": False}
 
-# XLA's GPU command buffers (CUDA graphs of runs of fused kernels) slow a train step down:
-# benchmarks/profile_step.py on the H200 (qwen3_5_0_8b, B4 T4096, bf16, no remat) times the step
-# at 225.9 ms without them, with 214.2 ms of kernel time, where benchmarks/bench_vs_torch.py's
-# steps with them took 255.6 and 284.9 ms for the same kernels (benchmarks/RESULTS.md).
-_NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
+def compiler_options(spec: Mapping[str, Action] | None, *, overlap_copies: bool = False) -> dict:
+    """``jax.jit`` compiler options for a step whose checkpoint policies come from ``spec``.
 
-def compiler_options(
-    spec: Mapping[str, Action] | None,
-    *,
-    overlap_copies: bool = False,
-    command_buffers: bool = False,
-) -> dict:
-    """``jax.jit`` compiler options for a train step whose checkpoint policies come from ``spec``.
-
-    XLA's GPU command buffers are switched off (``_NO_COMMAND_BUFFERS``: faster steps) unless
-    ``command_buffers``. With any ``"offload"`` in ``spec`` (and not ``overlap_copies``), XLA's
-    GPU latency-hiding scheduler is switched off for that step, so that offloading lowers device
-    memory (see ``_SERIAL_COPIES``); the copies then no longer overlap compute (nor do
-    collectives of a sharded step). Values are unchanged either way: neither option moves
-    arithmetic. Other backends ignore both options.
+    With any ``"offload"`` in ``spec`` (and not ``overlap_copies``), XLA's GPU latency-hiding
+    scheduler is switched off for that step, so that offloading lowers device memory (see
+    ``_SERIAL_COPIES``); the copies then no longer overlap compute (nor do collectives of a
+    sharded step). Values are unchanged either way: scheduling moves no arithmetic. Other
+    backends ignore the option.
 
     Args:
       spec: ``{name: action}`` as for :func:`remat_policy`, or None (no remat).
       overlap_copies: keep the scheduler (faster, but device memory may rise with offload).
-      command_buffers: keep XLA's command buffers.
     Returns:
-      a dict for ``jax.jit(..., compiler_options=...)``.
+      a dict for ``jax.jit(..., compiler_options=...)`` (empty when nothing is offloaded).
     """
-    options = {} if command_buffers else dict(_NO_COMMAND_BUFFERS)
-    if not overlap_copies and spec and "offload" in spec.values():
-        options.update(_SERIAL_COPIES)
-    return options
+    if overlap_copies or not spec or "offload" not in spec.values():
+        return {}
+    return dict(_SERIAL_COPIES)

@@ -108,7 +108,8 @@ def test_write_updates_the_file_in_place(tmp_path):
 
 def test_report_renders_vs_torch_rows_and_profiles(tmp_path):
     """A bench_vs_torch row shows tokens/s, MFU and each torch time with ours / theirs; a
-    profile file renders its total, op and category rows."""
+    profile file renders one row of model parts (with the step's device time) and one of its
+    heaviest ops per profiled step."""
     report = _report()
 
     def run(date):
@@ -126,6 +127,10 @@ def test_report_renders_vs_torch_rows_and_profiles(tmp_path):
                     share=2 / 3, count=2, source="transpose(jvp())/dot_general"),
         case | dict(what="category", rank=1, name="gemm", category="gemm", ms=6.0,
                     share=2 / 3, count=2, source=None),
+        case | dict(what="scope", rank=1, name="mlp bwd", category=None, ms=6.0,
+                    share=2 / 3, count=2, source=None),
+        case | dict(what="scope", rank=2, name="other", category=None, ms=3.0,
+                    share=1 / 3, count=38, source=None),
     ]  # fmt: skip
     profile = {"topic": "profile", "device": "GPU", **run("d1"), "runs": [run("d1")],
                "rows": prof_rows}  # fmt: skip
@@ -137,8 +142,14 @@ def test_report_renders_vs_torch_rows_and_profiles(tmp_path):
     assert cells[5:9] == ["100.00", "163.8 k", "41.2%", "30.00"]
     assert cells[11:13] == ["250.00 (0.40)", "—"]
     assert "## Train step profile" in text
-    assert "| tiny B2 T64 bf16+none | op 1 | fusion.7 | gemm | 6.00 | 66.7% | 2 |" in text
-    assert "| tiny B2 T64 bf16+none | total | all device time |  | 9.00 | 100.0% | 40 |" in text
+    assert (
+        "| tiny B2 T64 bf16+none | model parts | 9.00 | `mlp bwd` 6.00 (67%), `other` 3.00 (33%) |"
+        in text
+    )
+    assert (
+        "| tiny B2 T64 bf16+none | top 1 ops |  | `fusion.7` 6.00 (gemm; "
+        "transpose(jvp())/dot_general) |" in text
+    )
 
 
 def test_long_context_plot_groups_batch_one_rows(tmp_path):

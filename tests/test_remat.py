@@ -128,22 +128,16 @@ def test_core_residuals_offloaded_and_results_unchanged():
 
 
 def test_compiler_options_serialise_offload_copies():
-    """A step is compiled without XLA's GPU command buffers (slower steps on the H200) unless
-    asked to keep them; a step that offloads also without XLA's GPU latency-hiding scheduler
-    (which brought offloaded tensors back early, raising device memory on the H200); one that
-    does not offload keeps that scheduler. The options are ones this XLA knows (a misspelt one
-    fails to compile) and change no result."""
-    no_cb = {"xla_gpu_enable_command_buffer": ""}
+    """A step that offloads is compiled without XLA's GPU latency-hiding scheduler (which brought
+    offloaded tensors back early, raising device memory on the H200); one that does not offload
+    keeps the defaults. The option is one this XLA knows (a misspelt one fails to compile) and
+    changes no result."""
     offload = dict.fromkeys(remat.CORE_RESIDUALS, "offload")
     opts = remat.compiler_options(offload)
-    assert opts == {**no_cb, "xla_gpu_enable_latency_hiding_scheduler": False}
-    assert remat.compiler_options(offload, overlap_copies=True) == no_cb
-    assert remat.compiler_options(dict.fromkeys(remat.CORE_RESIDUALS, "save")) == no_cb
-    assert remat.compiler_options(None) == no_cb
-    assert remat.compiler_options(None, command_buffers=True) == {}
-    assert remat.compiler_options(offload, command_buffers=True) == {
-        "xla_gpu_enable_latency_hiding_scheduler": False
-    }
+    assert opts == {"xla_gpu_enable_latency_hiding_scheduler": False}
+    assert remat.compiler_options(offload, overlap_copies=True) == {}
+    assert remat.compiler_options(dict.fromkeys(remat.CORE_RESIDUALS, "save")) == {}
+    assert remat.compiler_options(None) == {}
     args = _core_inputs()
     outs = []
     for options in (None, opts):
