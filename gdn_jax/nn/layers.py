@@ -209,81 +209,28 @@ class ShortConv(nnx.Module):
             raise ValueError(f"{tail.shape=}: expected {(B, W - 1, C)}")
         else:
             xp = jnp.concatenate([_like(tail.astype(x.dtype), x), x], axis=1)
-        keep = None
+        dtype = self.dtype or x.dtype
+        w = self.weight[...].astype(jnp.float32)
+        xp = xp.astype(jnp.float32)
         if cu_seqlens is not None:
-            # Tap j reads token t - (W - 1 - j); it is dropped where that precedes the token's
-            # sequence start.
             start = sequence_starts(cu_seqlens, T)
             t = jnp.arange(T)
-            keep = (t[None, :] - (W - 1 - jnp.arange(W)[:, None])) >= start[None, :]  # [W, T]
-        w = self.weight[...].astype(jnp.float32)
-        return _causal_conv(xp, w, keep, self.activation, jnp.dtype(self.dtype or x.dtype))
+        y = jnp.zeros((B, T, C), jnp.float32)
+        for j in range(W):
+            tap = xp[:, j : j + T] * w[j]
+            if cu_seqlens is not None:
+                # Tap j reads token t - (W - 1 - j); drop it if it precedes this sequence's start.
+                keep = (t - (W - 1 - j)) >= start
+                tap = jnp.where(keep[None, :, None], tap, 0.0)
+            y = y + tap
+        if self.activation is not None:
+            y = self.activation(y)
+        return y.astype(dtype)
 
     def next_tail(self, x: jax.Array, tail: jax.Array) -> jax.Array:
         """The last ``kernel_size - 1`` inputs after appending ``x`` [B, T, C] to ``tail``."""
         xp = jnp.concatenate([_like(tail, x), x.astype(tail.dtype)], axis=1)
         return xp[:, xp.shape[1] - (self.kernel_size - 1) :]
-
-
-def _conv_taps(xp: jax.Array, w: jax.Array, keep: jax.Array | None) -> jax.Array:
-    """``Σ_j w[j] · xp[:, t + j]`` in f32, taps in order (masked taps add 0).
-
-    Args: xp [B, T + W - 1, C]; w [W, C] f32; keep None or [W, T] bool.
-    Returns: [B, T, C] f32.
-    """
-    W = w.shape[0]
-    B, T, C = xp.shape[0], xp.shape[1] - (W - 1), xp.shape[2]
-    xp = xp.astype(jnp.float32)
-    y = jnp.zeros((B, T, C), jnp.float32)
-    for j in range(W):
-        tap = xp[:, j : j + T] * w[j]
-        if keep is not None:
-            tap = jnp.where(keep[j][None, :, None], tap, 0.0)
-        y = y + tap
-    return y
-
-
-# The short conv's backward, written out: XLA's transpose of the forward turns every tap into a
-# pad of the f32 cotangent plus a separate reduction, which made the conv the largest cost of the
-# layer's input side (benchmarks/RESULTS.md, train step profile: `gdn_in bwd`). Here the
-# backward recomputes the pre-activation from the saved bf16 input and forms the input and
-# weight gradients as shifted sums of one f32 cotangent.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _causal_conv(xp, w, keep, activation, dtype):
-    """``activation(_conv_taps(xp, w, keep))`` in ``dtype``; [B, T + W - 1, C] -> [B, T, C]."""
-    y = _conv_taps(xp, w, keep)
-    return (y if activation is None else activation(y)).astype(dtype)
-
-
-def _causal_conv_fwd(xp, w, keep, activation, dtype):
-    return _causal_conv(xp, w, keep, activation, dtype), (xp, w, keep)
-
-
-def _causal_conv_bwd(activation, dtype, res, dy):
-    xp, w, keep = res
-    W = w.shape[0]
-    T = xp.shape[1] - (W - 1)
-    dz = dy.astype(jnp.float32)
-    if activation is not None:
-        dz = jax.vjp(activation, _conv_taps(xp, w, keep))[1](dz)[0]
-    # Tap j carries xp[:, s] to output s - j: dxp[:, s] = Σ_j w[j] · keep[j, s - j] · dz[:, s - j].
-    dzp = jnp.pad(dz, ((0, 0), (W - 1, W - 1), (0, 0)))
-    keepp = None if keep is None else jnp.pad(keep, ((0, 0), (W - 1, W - 1)))
-    dxp = jnp.zeros(xp.shape, jnp.float32)
-    dw = []
-    for j in range(W):
-        tap = dzp[:, W - 1 - j : W - 1 - j + xp.shape[1]]
-        if keep is not None:
-            tap = jnp.where(keepp[j, W - 1 - j : W - 1 - j + xp.shape[1]][None, :, None], tap, 0.0)
-        dxp = dxp + tap * w[j]
-        prod = dz * xp[:, j : j + T].astype(jnp.float32)
-        if keep is not None:
-            prod = jnp.where(keep[j][None, :, None], prod, 0.0)
-        dw.append(jnp.sum(prod, axis=(0, 1)))
-    return dxp.astype(xp.dtype), jnp.stack(dw).astype(w.dtype), None
-
-
-_causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
 
 
 def _rms(x: jax.Array, eps: float) -> jax.Array:
