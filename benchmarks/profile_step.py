@@ -11,8 +11,9 @@ joins the op with the compiled HLO text for its opcode, its category (``gemm``, 
     python benchmarks/profile_step.py --preset qwen3_5_0_8b --batch 4 --seq 4096 --setting bf16+none
     python benchmarks/profile_step.py --preset tiny --batch 2 --seq 64 --steps 1   # CPU check
 
-Prints the top ``--top`` ops and the time per category; rows go to the ``profile`` file of
-:mod:`benchmarks.results` on a GPU (``benchmarks/results/profile_<device>.json``):
+Prints the top ``--top`` ops, the time per category and per model part (:func:`scope`); rows
+go to the ``profile`` file of :mod:`benchmarks.results` on a GPU
+(``benchmarks/results/profile_<device>.json``):
 ``{preset, layers, batch, seq, setting, what ("op" | "category" | "scope" | "total"), rank, name,
 category, ms, share, count, source}`` with ``ms`` and ``count`` per step and ``share`` of the
 summed device time. The trace itself stays in ``--trace-dir`` (TensorBoard/xprof read it).
@@ -205,8 +206,9 @@ def summarise(times: dict, ops: dict, steps: int, top: int) -> list[dict]:
                          share=ns / total, count=n / steps, source=None))  # fmt: skip
     by_scope: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     for name, (ns, n) in times.items():
-        by_scope[ops.get(name, {}).get("scope", "other")][0] += ns
-        by_scope[ops.get(name, {}).get("scope", "other")][1] += n
+        part = by_scope[ops.get(name, {}).get("scope", "other")]
+        part[0] += ns
+        part[1] += n
     for i, (sc, (ns, n)) in enumerate(sorted(by_scope.items(), key=lambda kv: -kv[1][0])):
         rows.append(dict(what="scope", rank=i + 1, name=sc, category=None, ms=ms(ns),
                          share=ns / total, count=n / steps, source=None))  # fmt: skip
