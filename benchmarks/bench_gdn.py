@@ -368,8 +368,7 @@ def bench_channel_stages(s, x, variant) -> dict:
     of 64): ``chan_intra`` as inference runs it, ``chan_intra(store_a…)`` as a differentiated
     forward runs it (keeping A for the backward), then the backward's kernels in the order
     :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(k_split)``
-    times the variant of a backward kernel with one CTA per half of K, ``chan_intra(…split)``
-    the intra kernel with its work split over two CTAs (``ChannelIntraConfig.split``)."""
+    times the variant of a backward kernel with one CTA per half of K."""
     from gdn_jax.ops._channel_pallas import decay_last, kernel_beta
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.channel.bwd_dh import channel_bwd_dh
@@ -394,19 +393,14 @@ def bench_channel_stages(s, x, variant) -> dict:
     dl = decay_last(G)
     h0 = jnp.zeros((B, HV, K, s.V), jnp.float32)
     fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, ChannelFwdConfig(scale=scale)))
-    scfg = dataclasses.replace(icfg, split=True)
-    intra_s = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, scfg))
     times = {
         "chan_intra": time_jax(intra, (q, k, v, G, *gates)),
-        "chan_intra(split)": time_jax(intra_s, (q, k, v, G, *gates)),
         "chan_chunk_fwd": time_jax(fwd, (qg, kg, wk, u, aqk, dl, h0)),
     }
     # differentiated forward (stores A), then the backward kernels' inputs as the driver makes them
     acfg = dataclasses.replace(icfg, store_a=True)
     intra_a = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, acfg))
     A = intra_a(q, k, v, G, *gates)[-1]
-    ascfg = dataclasses.replace(acfg, split=True)
-    intra_split = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, ascfg))
     hcfg = ChannelFwdConfig(scale=scale, store_h=True)
     hrec = jax.jit(lambda kg, wk, u, dl, h0: channel_chunk_fwd(None, kg, wk, u, None, dl, h0, hcfg))
     h, vn = hrec(kg, wk, u, dl, h0)
@@ -430,7 +424,6 @@ def bench_channel_stages(s, x, variant) -> dict:
     wy_args = (k, v, G, gr, gl, bk, w_gate, A, dwk, dvh, dvl)
     times.update({
         "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),
-        "chan_intra(store_a, split)": time_jax(intra_split, (q, k, v, G, *gates)),
         "chan_chunk_h": time_jax(hrec, (kg, wk, u, dl, h0)),
         "chan_bwd_dh": time_jax(dh_fn, (qg, kg, wk, do, aqk, dl, dht)),
         "chan_bwd_dqkw": time_jax(dqkw_fn(False), dqkw_args),

@@ -1,8 +1,9 @@
 """Stage 2 of chunked GDN2 / KDA: the intra-chunk WY representation with a decay per key channel.
 
-One CTA (one warpgroup) per (chunk, value head, batch row). Per chunk of C = 64 rows, with G the
+Two CTAs (one warpgroup each) per (chunk, value head, batch row), :func:`_intra_body`: one
+forms L → A → w, u (and A), the other Aqk, qg, kg. Per chunk of C = 64 rows, with G the
 chunk-local cumulative log-decay per key channel ([C, K], natural log, f32), b the erase gate and
-w_gate the write gate (KDA: b = w_gate = β per token), it computes the stages of
+w_gate the write gate (KDA: b = w_gate = β per token), they compute the stages of
 :func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
 
     L_ij   = Σ_d b_id k_id k_jd e^{G_id − G_jd}   (i > j)          [C, C] f32
@@ -12,34 +13,35 @@ w_gate the write gate (KDA: b = w_gate = β per token), it computes the stages o
     Aqk_ij = Σ_d q_id k_jd e^{G_id − G_jd}   (i ≥ j)               [C, C]
     qg     = q ⊙ e^{G},   kg = k ⊙ e^{G_last − G}                  [C, K]
 
-The decay sits inside the K contraction, so it is factored onto the operands around a reference row
-per 16-row sub-chunk I: rows i of I get ``x_i e^{G_i − r_I}`` and columns j ≤ end(I) get
-``k_j e^{r_I − G_j}``; one wgmma per sub-chunk accumulates ``L`` (and ``Aqk``), whose row operand
-is zero outside I. For columns in earlier sub-chunks the column factor is ≤ 1 (G is non-increasing).
-The reference row is the sub-chunk's middle row (row 8), so inside the diagonal 16×16 block every
-factor is bounded by e^{8·|g|max}: finite and accurate for per-token log-decays down to −10
-(e^{80} < f32/bf16 max); the op clamps log-decays at −10, which covers the required −5 per token
-with margin. Products above the diagonal may overflow to inf in the accumulator; they are dropped
-with ``where`` (never multiplied by a mask). Exponents of rows or columns a sub-chunk does not use
-are masked to 0 *before* ``exp``.
+The decay sits inside the K contraction, so it is factored onto the operands around a reference
+row per 16-column block J of L and Aqk: r_J = G at row 16 J + 8 (the block's middle row). Columns
+j of J get ``k_j e^{r_J − G_j}`` ([16, K]), rows i ≥ 16 J get ``x_i e^{G_i − r_J}`` ([64, K],
+x = b ⊙ k or q; rows above 16 J are zero: their exponent is masked to 0 *before* ``exp`` and the
+value selected away), and one 64 × 16 × K wgmma gives L[:, J] (and one Aqk[:, J]): the four
+blocks together cost one 64 × 64 × K product each for L and Aqk. G is non-increasing
+(log-decays ≤ 0), so rows after block J get factors ≤ 1, and inside the diagonal 16 × 16 block
+every factor is within e^{±8·|g|max}: finite for per-token log-decays down to −10 (e^{80} <
+f32/bf16 max; the op clamps log-decays at −10, which covers the required −5 per token with
+margin). Products above the diagonal may overflow to inf (or NaN) in the accumulator; they are
+dropped with ``where``, never multiplied by a mask. The column operand of all four blocks is one
+[C, 64] tile (each row against its own block's reference), block J reading its rows 16 J …
+16 J + 15.
 
-Split form (``ChannelIntraConfig(split=True)``, K, V ∈ {64, 128}): two CTAs per (chunk, value
-head, batch row), one forming L → A → w, u (and A), the other Aqk, qg, kg, both contracting over K
-in 64-column passes (K/64 of them; w in K/64 and u in V/64 column blocks), so only [64, 64] f32
-register tiles are live and a CTA needs under half an SM's shared memory (:func:`_split_body`).
+Both CTAs contract over K in 64-column passes (K/64 of them; w leaves in K/64 and u in V/64
+column blocks), so only [64, 64] f32 register tiles are live and a CTA needs under half an SM's
+shared memory: two CTAs share an SM. K, V ∈ {64, 128}.
 
 Precision: K-contractions, A and every accumulation in f32; wgmma operands (the factored k, q,
 A, the gated v) are 16-bit. Outputs are stored in the io dtype.
 
-f16 io (q, k, v and the outputs f16; split form only): the factored operands of L and Aqk,
-``x_i e^{G_i − r_I}`` and ``k_j e^{r_I − G_j}``, reach e^{8·|g|} (e^{40} at log-decay −5 per
-token), beyond f16's 65504, and span more than its dynamic range within a sub-chunk, so they are
+f16 io (q, k, v and the outputs f16): the factored operands of L and Aqk,
+``x_i e^{G_i − r_J}`` and ``k_j e^{r_J − G_j}``, reach e^{8·|g|} (e^{40} at log-decay −5 per
+token), beyond f16's 65504, and span more than its dynamic range within a block, so they are
 staged as bf16 pairs hi = bf16(x), lo = bf16(x − hi) (f32's range, ~16 bits) and multiplied as
 hi·hi + hi·lo + lo·hi into the same f32 accumulator. Everything else stays f16: A (|A| bounded
 by the inverse's size), the gated k and v operands of w and u (factors ≤ 1), qg, kg (factors
 ≤ 1), Aqk (≤ |q||k|). Values below f16's smallest normal (6.1e-5, e.g. qg and w rows under
-strong decay) are stored subnormal, like any f16 rounding of them. The unsplit kernel has no
-room for the pairs at K = 128 and raises NotImplementedError for f16.
+strong decay) are stored subnormal, like any f16 rounding of them.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
@@ -57,7 +58,6 @@ from pallas_kernels._tiles import (
     CHUNK,
     Bars,
     accumulate_passes,
-    chunk_coords,
     pair_chunk_coords,
     per_chunk_kernel,
 )
@@ -72,6 +72,15 @@ from pallas_kernels.channel.bwd_decay import (
 
 MID = SUB // 2  # reference row inside each sub-chunk
 f32 = jnp.float32
+LOG2E = 1.4426950408889634
+
+
+def _exp(x: jax.Array) -> jax.Array:
+    """e^x as 2^(x·log2 e): ``exp2`` is the ex2 instruction, where ``exp`` wraps the same
+    instruction in libdevice's range reduction. Rounding x·log2 e costs a relative 2^-24 of the
+    exponent (≤ 1e-5 in the result for |x| ≤ 80 · log2 e), far below the 16-bit operands'
+    rounding and the hi/lo pairs' 2^-16."""
+    return jnp.exp2(x * LOG2E)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +91,13 @@ class ChannelIntraConfig:
       scalar_beta: KDA: the erase and write gates are one β per (token, value head), given as
         [B, HV, T]; otherwise (GDN2) b [B, T, HV, K] and w_gate [B, T, HV, V].
       store_a: also write A (16-bit) for the backward.
-      split: two CTAs per (chunk, value head, batch row), one forming L → A → w, u (and A), the
-        other Aqk, qg, kg, each on [64, 64] register tiles with about half the shared memory, so
-        two CTAs share an SM (see :func:`_split_body`). Needs K, V ∈ {64, 128}. The only form
-        serving f16 io.
     """
 
     scalar_beta: bool = False
     store_a: bool = False
-    split: bool = False
 
     def __post_init__(self):
-        for name in ("scalar_beta", "store_a", "split"):
+        for name in ("scalar_beta", "store_a"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ChannelIntraConfig.{name}={getattr(self, name)!r} must be a bool")
 
@@ -130,156 +134,19 @@ def _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt) -> jax.Array:
 
 
 def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
-    (q_g, k_g, v_g, G_g, gr_g, gl_g, be_g, b_g, wg_g,
-     qg_g, kg_g, w_g, u_g, aqk_g, a_g) = _intra_refs(refs, cfg)  # fmt: skip
-    C = CHUNK
-    # GVA: value head hv reads q/k head hk = hv // (HV // H)
-    c, hv, b, hk, rows = chunk_coords(group, C)
-    K, V = k_g.shape[-1], v_g.shape[-1]
-    dt = k_g.dtype
-    scalar = cfg.scalar_beta
-
-    def scoped(q_s, k_s, v_s, G_s, gr_s, gl_s, gate_s, a_s, a2_s, c_s, x_s, oy_s, aqk_s, bar):
-        b_s, wg_s, be_s = (None, None, gate_s) if scalar else (gate_s[0], gate_s[1], None)
-        copies = [
-            (q_g.at[b, rows, hk, :], q_s),
-            (k_g.at[b, rows, hk, :], k_s),
-            (v_g.at[b, rows, hv, :], v_s),
-            *decay_copies(G_g, gr_g, gl_g, (G_s, gr_s, gl_s), b=b, hv=hv, c=c, rows=rows),
-        ]
-        if scalar:
-            copies.append((be_g.at[b, hv, rows], be_s))
-        else:
-            copies += [(b_g.at[b, rows, hv, :], b_s), (wg_g.at[b, rows, hv, :], wg_s)]
-        # v (index 2) and the write gate (last, GDN2) are needed only for u at the end: their
-        # loads overlap L, Aqk and the inverse
-        late = (2,) if scalar else (2, len(copies) - 1)
-        _tiles.load_tiles(copies, bar, late=late)
-
-        blk = lax.shift_right_logical(cp.iota((C, K), 0), 4)  # sub-chunk of each row
-
-        # Tiles are re-read from SMEM where used rather than kept live in registers: four live
-        # [64, 128] f32 tiles would already exhaust the register file.
-        def k_f32():
-            return cp.load_tile(k_s).astype(f32)
-
-        def bk_f32():  # the erase-gated key (KDA: β is applied to L's rows instead)
-            return k_f32() if scalar else cp.load_tile(b_s) * k_f32()
-
-        def by_block(vals):
-            """[C, K] tile whose rows in sub-chunk J hold vals[J] (a [K] vector or a scalar),
-            zero in sub-chunks past the end of ``vals``."""
-            t = 0.0
-            for J in reversed(range(len(vals))):
-                v = vals[J]
-                v = cp.bcast_cols(v, (C, K)) if hasattr(v, "shape") else v
-                t = jnp.where(blk == J, v, t)
-            return t
-
-        # Row factors e^{G_i − r_J(i)} around the reference row of the row's own sub-chunk J
-        # (|exponent| ≤ 8 steps), computed once; sub-chunk I's column factors e^{r_I − G_j}
-        # (j ≤ end(I)): one exponent each, never split into a tiny and a huge factor.
-        d = cp.load_tile(G_s) - by_block([_tiles.col_vec_row(gr_s, J) for J in range(NSUB)])
-        e_row = jnp.exp(d)
-        a_s[...] = (bk_f32() * e_row).astype(dt)
-        a2_s[...] = (cp.load_tile(q_s).astype(f32) * e_row).astype(dt)
-
-        # L and Aqk: one product per sub-chunk I, keeping rows of I (columns up to I's end)
-        rblk = lax.shift_right_logical(cp.iota((C, C), 0), 4)
-        L = P = None
-        for I in range(NSUB):
-            upto = blk <= I
-            r_i = cp.bcast_cols(_tiles.col_vec_row(gr_s, I), (C, K))
-            expo = jnp.where(upto, r_i - cp.load_tile(G_s), 0.0)  # masked before exp
-            c_s[...] = jnp.where(upto, k_f32() * jnp.exp(expo), 0.0).astype(dt)
-            plgpu.commit_smem()
-            li = cp.matmul(a_s, c_s.T, (C, C))
-            pi = cp.matmul(a2_s, c_s.T, (C, C))
-            # other rows may hold inf (unbounded factor pairs): select, never multiply by a mask
-            L = jnp.where(rblk == I, li, 0.0 if L is None else L)
-            P = jnp.where(rblk == I, pi, 0.0 if P is None else P)
-
-        row = cp.iota((C, C), 0)
-        col = cp.iota((C, C), 1)
-        aqk_s[...] = jnp.where(row >= col, P, 0.0).astype(dt)
-        L = jnp.where(row > col, L, 0.0)
-        if scalar:
-            L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
-        # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1) and w's right operand b ⊙ e^{G} ⊙ k
-        Gt = cp.load_tile(G_s)
-        eG = jnp.exp(Gt)
-        a2_s[...] = (cp.load_tile(q_s).astype(f32) * eG).astype(dt)
-        gl = cp.bcast_cols(cp.col_vec(gl_s, K), (C, K))
-        c_s[...] = (k_f32() * jnp.exp(gl - Gt)).astype(dt)
-        a_s[...] = (bk_f32() * eG).astype(dt)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(aqk_s, aqk_g.at[b, rows, hv, :])
-        plgpu.copy_smem_to_gmem(a2_s, qg_g.at[b, rows, hv, :])
-        plgpu.copy_smem_to_gmem(c_s, kg_g.at[b, rows, hv, :])
-
-        # w = A (b ⊙ e^G ⊙ k)
-        a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
-        oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt).astype(dt)
-        plgpu.commit_smem()
-        q_s[...] = cp.matmul(oy_s, a_s, (C, K)).astype(dt)  # q_s is free now
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, w_g.at[b, rows, hv, :])
-        # u = A (w_gate ⊙ v)
-        for i in late:
-            plgpu.barrier_wait(bar.at[i])
-        # [C, V] staging: the free [C, K] tiles when V == K, else v's own tile (each thread
-        # rewrites only the elements it has read)
-        if scalar:
-            rhs = v_s
-        else:
-            rhs = a_s if V == K else v_s
-            rhs[...] = (cp.load_tile(wg_s) * cp.load_tile(v_s).astype(f32)).astype(dt)
-            plgpu.commit_smem()
-        u = cp.matmul(oy_s, rhs, (C, V))
-        u_s = k_s if V == K else v_s  # k_s is free now (v_s too: u is in registers)
-        u_s[...] = u.astype(dt)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(u_s, u_g.at[b, rows, hv, :])
-        plgpu.wait_smem_to_gmem(0)
-
-    gate = cp.smem((C,), f32) if scalar else (cp.smem((C, K), f32), cp.smem((C, V), f32))
-    n_bar = 7 if scalar else 8
-    pl.run_scoped(
-        scoped,
-        cp.smem((C, K), dt),  # q, later w
-        cp.smem((C, K), dt),  # k, later u
-        cp.smem((C, V), dt),  # v
-        *decay_smem(C, K),  # G, reference rows, G_last
-        gate,
-        cp.smem((C, K), dt),  # row operand (L), later the w and u right operands
-        cp.smem((C, K), dt),  # row operand (Aqk), later qg
-        cp.smem((C, K), dt),  # column operand, later kg
-        cp.smem((C, C), dt),
-        cp.smem((C, C), dt),
-        cp.smem((C, C), dt),  # Aqk
-        plgpu.Barrier(num_barriers=n_bar),
-    )
-
-
-# ------------------------------------------------------------------------------------------------
-# Split form: two CTAs per (chunk, value head, batch row), one per task, on [C, 64] tiles.
-
-
-def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
     """Grid axis "h" runs over 2·HV: CTA h = 2 hv + t does task t of value head hv.
 
-    The unsplit kernel's two products of one sub-chunk share their column operand, but nothing
-    else: L feeds the inverse and w, u; Aqk, qg and kg stand apart. So the tasks are
+    The products L and Aqk share their column operand, but nothing else: L feeds the inverse and
+    w, u; Aqk, qg and kg stand apart. So the tasks are
 
       t = 0 ("wy"):  L → A = (I + L)⁻¹ → w, u (and A when ``store_a``)
       t = 1 ("qk"):  Aqk, qg, kg
 
-    with no work done twice except the column operands' exponentials. Both contract over K in
-    K/64 passes of 64 columns (each pass adds its partial products to one f32 register tile); w
-    leaves in K/64 and u in V/64 blocks of 64 columns (K and V need not match). So every
-    register tile is [C, 64] f32 (32 registers a thread) and a pass's SMEM is released before the
-    next one loads. The maths is the unsplit kernel's, operand for operand: qg, kg are bitwise
-    equal, L and Aqk differ only in the f32 order of the two K-halves' partial sums.
+    with no work done twice except the column operand's exponentials. Both contract over K in
+    K/64 passes of 64 columns (each pass adds its partial products to four [C, 16] f32 register
+    tiles, one per column block, :func:`pass_products`); w leaves in K/64 and u in V/64 blocks
+    of 64 columns (K and V need not match). So every register tile is at most [C, 64] f32 (32
+    registers a thread) and a pass's SMEM is released before the next one loads.
 
     SMEM bytes per CTA at K = V = 128, 16-bit io (a buffer one variant lacks is a 32-byte
     placeholder there; barriers 8 B each):
@@ -298,9 +165,9 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
 
     Peak (wy: always + L pass): 107 648 B (GDN2) / 91 496 B (KDA); the two tasks' scopes are
     alternatives (branches of one kernel), so a CTA needs the larger. Mosaic's count when
-    lowering (bf16, with its alignment): 108 720 B (GDN2) / 93 336 B (KDA), against 224 320 B /
-    159 800 B for :func:`_intra_body`, so two CTAs share an SM (228 KiB, 1 KiB reserved per CTA;
-    tests/pallas/test_channel_intra_split.py lowers it under that limit).
+    lowering (bf16, with its alignment): 108 720 B (GDN2) / 93 336 B (KDA), so two CTAs share an
+    SM (228 KiB, 1 KiB reserved per CTA; tests/pallas/test_channel_intra.py lowers it under that
+    limit).
 
     f16 io: the L / Aqk operands are bf16 hi/lo pairs, four [C, 64] bf16 tiles (32 768 B) in each
     pass's scope (the f16 staging tiles cannot hold bf16). To stay under half an SM, the wy task
@@ -344,37 +211,58 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
         s[0][...] = hi
         s[1][...] = (val - hi.astype(f32)).astype(jnp.bfloat16)
 
-    def product(row_s, col_s):
-        """row · colᵀ, [C, C] f32; for hi/lo pairs hi·hi + hi·lo + lo·hi in one accumulator
-        (lo·lo, ~2^-18 relative, is below the pair's own ~2^-16)."""
+    def col_block(col_s, J):
+        """The B operand of column block J: rows 16 J … 16 J + 15 of the column operand tile
+        (or of each tile of a hi/lo pair), transposed, [64, 16]."""
         if not hilo:
-            return cp.matmul(row_s, col_s.T, (C, C))
-        (rh, rl), (ch, cl) = row_s, col_s
-        return cp.matmul_sum(((rh, ch.T), (rh, cl.T), (rl, ch.T)), (C, C))
+            return col_s.at[pl.ds(SUB * J, SUB)].T
+        return tuple(t.at[pl.ds(SUB * J, SUB)].T for t in col_s)
+
+    def issue(acc, row_s, col_t):
+        """acc += row · col_t (asynchronous, 64 × 16 × 64); for hi/lo pairs hi·hi + hi·lo +
+        lo·hi (lo·lo, ~2^-18 relative, is below the pair's own ~2^-16)."""
+        if not hilo:
+            plgpu.wgmma(acc, row_s, col_t)
+            return
+        (rh, rl), (ch, cl) = row_s, col_t
+        plgpu.wgmma(acc, rh, ch)
+        plgpu.wgmma(acc, rh, cl)
+        plgpu.wgmma(acc, rl, ch)
 
     def pass_products(dec, x, row_s, col_s, k_f32, acc):
-        """``acc`` (None: 0) plus, in the rows of each sub-chunk I, (x e^{G − r_I}) (k e^{r_I −
-        G})ᵀ over this pass's 64 key columns: the unsplit kernel's L / Aqk products, [C, C] f32
-        (garbage above the diagonal, masked by the caller). ``x``: [C, 64] f32 in registers;
-        ``k_f32()`` loads k (re-read from SMEM for every sub-chunk rather than held live across
-        the products). Each row takes one product, added in place: a single [C, C] tile stays
-        live across the passes. ``row_s``, ``col_s``: [C, 64] ``dt`` tiles, or for f16 io
-        (hi, lo) pairs of bf16 tiles (:func:`stage`)."""
-        stage(row_s, x * dec.e_own())
-        rblk = lax.shift_right_logical(cp.iota((C, C), 0), 4)
-        out = acc
-        for I in range(NSUB):
-            upto = dec.blk <= I
-            expo = jnp.where(upto, dec.bref(I) - dec.G(), 0.0)  # masked before exp
-            stage(col_s, jnp.where(upto, k_f32() * jnp.exp(expo), 0.0))
-            plgpu.commit_smem()
-            m = product(row_s, col_s)
-            # other rows may hold inf (unbounded factor pairs): select, never multiply by a mask
-            if acc is None:
-                out = jnp.where(rblk == I, m, 0.0 if out is None else out)
-            else:
-                out = jnp.where(rblk == I, out + m, out)
-        return out
+        """``acc`` (None: 0) plus this pass's 64 key columns of Σ_d x_id k_jd e^{G_id − G_jd},
+        one [C, 16] f32 tile per column block J (rows i ≥ 16 J hold the products, rows above
+        0; entries with i < j inside block J are garbage, inf or NaN, dropped by the caller
+        with ``where``). ``x``: [C, 64] f32 in registers; ``k_f32()`` loads k. ``row_s``,
+        ``col_s``: [C, 64] ``dt`` tiles, or for f16 io (hi, lo) pairs of bf16 tiles
+        (:func:`stage`).
+
+        The decay is factored around r_J (G at row 16 J + 8): the column operand is
+        k_j e^{r_J − G_j} for j in J, i.e. one [C, 64] tile with every row against its own
+        block's reference, whose rows 16 J … 16 J + 15 are block J's B operand; the row
+        operand of block J is x_i e^{G_i − r_J} for i ≥ 16 J (exponent masked to 0 before
+        ``exp`` above, value selected to 0). G is non-increasing: factors of rows after block J
+        are ≤ 1, and inside the diagonal block every factor is within e^{±8·|g|max}."""
+        stage(col_s, k_f32() * _exp(dec.own_ref() - dec.G()))
+
+        def products(*accs):
+            for J in range(NSUB):
+                if J:
+                    keep = dec.blk >= J
+                    expo = jnp.where(keep, dec.G() - dec.bref(J), 0.0)  # masked before exp
+                    val = jnp.where(keep, x * _exp(expo), 0.0)
+                else:  # every row is at or after block 0
+                    val = x * _exp(dec.G() - dec.bref(0))
+                if J:  # block J − 1's products (computed meanwhile) have read the row tile
+                    plgpu.wgmma_wait(0)
+                stage(row_s, val)
+                plgpu.commit_smem()
+                issue(accs[J], row_s, col_block(col_s, J))
+            plgpu.wgmma_wait(0)
+            return [a[...] for a in accs]
+
+        out = pl.run_scoped(products, *(plgpu.ACC((C, SUB), f32) for _ in range(NSUB)))
+        return out if acc is None else [a + m for a, m in zip(acc, out, strict=True)]
 
     def wy_task():
         def outer(x_o, oy_o, wop_s, v_s, st_o, be_s, bar):
@@ -409,7 +297,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 L = pass_products(dec, bk(), row_s, col_s, k_f32, L)
                 # w's right operand b ⊙ e^G ⊙ k for these columns; the commit is also the
                 # warpgroup barrier past which the next pass's loads may overwrite this scope
-                wop_s[p][...] = (bk() * jnp.exp(dec.G())).astype(dt)
+                wop_s[p][...] = (bk() * _exp(dec.G())).astype(dt)
                 plgpu.commit_smem()
                 return L
 
@@ -424,7 +312,8 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
             )
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
-            L = jnp.where(row > col, L, 0.0)
+            # inf / NaN above the diagonal of the diagonal blocks: select, never multiply
+            L = jnp.where(row > col, jnp.concatenate(L, axis=1), 0.0)
             if scalar:
                 L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
 
@@ -526,8 +415,9 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
                 # the products
                 if p:  # the previous pass's stores must have read the staging tiles
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_s[0][...] = (cp.load_tile(q_s).astype(f32) * jnp.exp(dec.G())).astype(dt)
-                out_s[1][...] = (cp.load_tile(k_s).astype(f32) * dec.e_last()).astype(dt)
+                out_s[0][...] = (cp.load_tile(q_s).astype(f32) * _exp(dec.G())).astype(dt)
+                e_last = _exp(dec.bref(NSUB) - dec.G())  # e^{G_last − G} ≤ 1
+                out_s[1][...] = (cp.load_tile(k_s).astype(f32) * e_last).astype(dt)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_s[0], qg_g.at[b, rows, hv, cols(p)])
                 plgpu.copy_smem_to_gmem(out_s[1], kg_g.at[b, rows, hv, cols(p)])
@@ -547,6 +437,7 @@ def _split_body(*refs, cfg: ChannelIntraConfig, group: int):
             )
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
+            P = jnp.concatenate(P, axis=1)
             st_s[0][...] = jnp.where(row >= col, P, 0.0).astype(dt)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(st_s[0], aqk_g.at[b, rows, hv, :])
@@ -590,15 +481,13 @@ def channel_intra(
     """Computes qg, kg, w, u, Aqk (and optionally A) for every chunk.
 
     Args:
-      q, k: [B, T, H, K] bf16/f16 (f16 only with ``config.split``, else NotImplementedError), T a
-        multiple of 64; padded rows must be zero.
-      v: [B, T, HV, V], same dtype; HV % H == 0; K, V ∈ {64, 128}.
+      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
+      v: [B, T, HV, V], same dtype; HV % H == 0; K, V ∈ {64, 128} (else NotImplementedError).
       G: [B, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
         Padded rows zero.
       w_gate: GDN2: [B, T, HV, V] f32 write gate (padded rows zero); KDA: None.
-      config: :class:`ChannelIntraConfig` (``split``: K, V ∈ {64, 128}, else
-        NotImplementedError).
+      config: :class:`ChannelIntraConfig`.
     Returns:
       qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] = k e^{G_last − G}; w [B, T, HV, K];
       u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c holds Aqk[t − 64c, :]); all in
@@ -622,33 +511,14 @@ def channel_intra(
     if config.store_a:
         out_type.append(jax.ShapeDtypeStruct((B, T, HV, CHUNK), dt))
 
-    if config.split:
-        if K not in (HALF, 2 * HALF) or V not in (HALF, 2 * HALF):
-            raise NotImplementedError(
-                f"{k.shape=} {v.shape=}: the split channel_intra needs K, V ∈ {{64, 128}}"
-            )
+    if K not in (HALF, 2 * HALF) or V not in (HALF, 2 * HALF):
+        raise NotImplementedError(f"{k.shape=} {v.shape=}: channel_intra needs K, V ∈ {{64, 128}}")
 
-        def split_body(*refs):
-            _split_body(*refs, cfg=config, group=HV // H)
+    def body(*refs):
+        _intra_body(*refs, cfg=config, group=HV // H)
 
-        fn = per_chunk_kernel(
-            split_body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra", pair=True
-        )
-    else:
-        if dt == jnp.float16:
-            raise NotImplementedError(
-                "f16 io needs the factored L / Aqk operands staged as bf16 hi/lo pairs, which only "
-                "the split channel_intra does (the unsplit kernel already needs 224 320 B of "
-                "shared memory per CTA at K = 128 for bf16; bf16 hi/lo tiles of its three factored "
-                "[64, K] operands, 96 KiB at K = 128, do not fit): "
-                "use ChannelIntraConfig(split=True)"
-            )
-
-        def body(*refs):
-            _intra_body(*refs, cfg=config, group=HV // H)
-
-        fn = per_chunk_kernel(
-            body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra"
-        )
+    fn = per_chunk_kernel(
+        body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra", pair=True
+    )
     ins = (q, k, v, G, gr, gl, b) if config.scalar_beta else (q, k, v, G, gr, gl, b, w_gate)
     return tuple(fn(*ins))

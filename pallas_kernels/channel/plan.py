@@ -8,8 +8,8 @@ nowhere else.
 
 Forms (``f16``: f16 io; K, V ∈ {64, 128}):
 
-- intra: split over two CTAs per chunk and value head (``ChannelIntraConfig.split``) for f16
-  always, for bf16 at K = V = 128 for GDN2 always and for KDA when A is stored; else one CTA.
+- intra: one form (:func:`pallas_kernels.channel.intra.channel_intra`, two CTAs per chunk and
+  value head, column-block decay factoring) for every call.
 - dq/dk/dw (``ChannelPlan.dqkw``): ``"k_split"`` (two CTAs, one per 64-column half of K) at
   K = 128 when V = 128 or f16; ``"phased"`` (the K-split kernel's phases on one CTA, all of K)
   for f16 at K = 64; ``"one_cta"`` otherwise (bf16 at K = 64, or K = 128 with V = 64).
@@ -18,12 +18,11 @@ Forms (``f16``: f16 io; K, V ∈ {64, 128}):
 
 Reasons:
 
-- intra, bf16: measured on the H200 at B4 T4096 HV16 (``bench_gdn.py --stages``, K = V = 128):
-  the split form takes GDN2 1.64 vs 1.90 ms (with A 1.66 vs 1.99), KDA with A 1.46 vs 1.49, KDA
-  without A 1.45 vs 1.40 (the one case the one-CTA form wins, hence inference KDA keeps it).
-  bf16 splits only where it was measured (K = V = 128).
-- intra, f16: the decay-factored operands are bf16 hi/lo pairs, which only the split form has
-  shared memory for.
+- intra: the earlier one-CTA form (1.40–1.99 ms at B4 T4096 HV16 K = V = 128 on the H200) and
+  the row-block-factored two-CTA form (1.45–1.66 ms) each ran four 64 × 64 × K products per
+  L and Aqk. The column-block form runs one 64 × 64 × K worth (a 64 × 16 × K product per
+  column block), in the two-CTA layout that also has shared memory for f16's bf16 hi/lo
+  operands; it serves every call, so it replaced both.
 - dq/dk/dw and WY K-split: half-size register tiles and under half the shared memory per CTA, so
   two CTAs share an SM. On the H200 at B4 T4096 HV16 (``bench_gdn.py --stages``, bf16,
   K = V = 128) it halves both kernels' time (2.39 vs 4.88 ms and 2.27 vs 4.34 ms). bf16 keeps
@@ -62,19 +61,17 @@ class ChannelPlan:
     Attributes:
       scalar_beta: KDA (one β per token); else GDN2 gates.
       store_a: the forward's intra kernel stores A (a differentiated forward).
-      intra_split: the intra kernel's split form (``ChannelIntraConfig.split``).
       dqkw: the dq/dk/dw kernel's form, one of :data:`DQKW_FORMS`.
       wy_split: the WY backward's K-split form (``ChannelBwdWyConfig.k_split``).
     """
 
     scalar_beta: bool
     store_a: bool
-    intra_split: bool
     dqkw: str
     wy_split: bool
 
     def __post_init__(self):
-        for name in ("scalar_beta", "store_a", "intra_split", "wy_split"):
+        for name in ("scalar_beta", "store_a", "wy_split"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ChannelPlan.{name}={getattr(self, name)!r} must be a bool")
         if self.dqkw not in DQKW_FORMS:
@@ -82,9 +79,7 @@ class ChannelPlan:
 
     def intra_config(self) -> ChannelIntraConfig:
         """The intra kernel's configuration."""
-        return ChannelIntraConfig(
-            scalar_beta=self.scalar_beta, store_a=self.store_a, split=self.intra_split
-        )
+        return ChannelIntraConfig(scalar_beta=self.scalar_beta, store_a=self.store_a)
 
     @property
     def dqkw_k_split(self) -> bool:
@@ -136,7 +131,6 @@ def channel_plan(dtype, K: int, V: int, *, scalar_beta: bool, store_a: bool) -> 
     if why is not None:
         raise NotImplementedError(why)
     f16 = jnp.dtype(dtype) == jnp.float16
-    intra_split = f16 or (K == V == 128 and (store_a or not scalar_beta))
     k_split = K == 128 and (V == 128 or f16)
     if k_split:
         dqkw = "k_split"
@@ -147,7 +141,6 @@ def channel_plan(dtype, K: int, V: int, *, scalar_beta: bool, store_a: bool) -> 
     return ChannelPlan(
         scalar_beta=scalar_beta,
         store_a=store_a,
-        intra_split=intra_split,
         dqkw=dqkw,
         wy_split=k_split,
     )

@@ -1,15 +1,16 @@
-"""f16 io of the channel-decay intra kernel (split form): bf16 hi/lo factored operands.
+"""f16 io of the channel-decay intra kernel: bf16 hi/lo factored operands.
 
-With f16 q, k, v the decay-factored operands of the L and Aqk products (``x_i e^{G_i − r_I}``
-and ``k_j e^{r_I − G_j}``, factors up to e^{8·|g|}: e^{40} at a log-decay of −5 per token) do
-not fit f16 (max 65504); the split kernel stages them as bf16 hi/lo pairs and accumulates
-hi·hi + hi·lo + lo·hi in f32. Everything else (A, the gated k and v, the outputs) stays f16.
+With f16 q, k, v the decay-factored operands of the L and Aqk products (``x_i e^{G_i − r_J}``
+and ``k_j e^{r_J − G_j}`` around the reference row r_J of column block J, factors up to
+e^{8·|g|}: e^{40} at a log-decay of −5 per token) do not fit f16 (max 65504); the kernel stages
+them as bf16 hi/lo pairs and accumulates hi·hi + hi·lo + lo·hi in f32. Everything else (A, the
+gated k and v, the outputs) stays f16.
 
 Checked: every output against the stage's formulas in f32 jnp on the same f16 inputs (per-token
 log-decays −5, −0.1 and 0 in every channel, and random ones in [−1, 0]); a jnp emulation of the
 factored Aqk product shows that plain f16 operands overflow at −5 per token while the hi/lo
-pair meets the tolerance; the CUDA lowering of the f16 split kernel fits one CTA's shared
-memory; the unsplit form refuses f16.
+pair meets the tolerance; the CUDA lowering of the f16 kernel fits half an SM's shared memory
+per CTA.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gdn_cases import cached_jit, run_interpreted
-from test_channel_intra_split import OUTS, _refs, _shapes
+from test_channel_intra import OUTS, _refs, _shapes
 from test_channel_ksplit_dqkw import SMEM_TWO_CTAS, _smem_limit
 from test_channel_pallas_bwd import _chunks, _explicit, core_case
 
@@ -57,7 +58,7 @@ def _f16_inputs(seed, variant, N, T, H, HV, K, g_val=None, V=None):
 
 def _intra(args, store_a=True):
     q, k, v, G, b, w = args
-    cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=store_a, split=True)
+    cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=store_a)
     return dict(zip(OUTS, channel_intra(q, k, v, G, b, w, cfg), strict=False))
 
 
@@ -133,24 +134,25 @@ def test_interpret_f16_without_a():
 
 
 def _factored_aqk(q, k, G, stage):
-    """Aqk_ij = Σ_d q_id k_jd e^{G_id − G_jd} (i ≥ j) computed as the kernel does: per sub-chunk
-    I, rows ``q e^{G − r_own}`` times columns ``k e^{r_I − G}`` (j ≤ end(I)), both operands
-    passed through ``stage`` (a pair of [M, 64, K] f32 → list of (row, col) term pairs).
-    q, k: [N, T, HV, K]; G: [N, T, HV, K] f32. Returns [M, 64, 64] f32 and the largest operand
-    magnitude."""
+    """Aqk_ij = Σ_d q_id k_jd e^{G_id − G_jd} (i ≥ j) computed as the kernel does: per column
+    block J, rows ``q e^{G − r_J}`` (i ≥ 16 J, 0 above) times columns ``k e^{r_J − G}`` (j in
+    J), both operands passed through ``stage`` (a pair of [M, rows, K] f32 → list of (row, col)
+    term pairs). q, k: [N, T, HV, K]; G: [N, T, HV, K] f32. Returns [M, 64, 64] f32 and the
+    largest operand magnitude."""
     Gc, qc, kc = _chunks(G), _chunks(q), _chunks(k)
     r = Gc[:, 8::16]  # [M, 4, K] reference rows
-    X = qc * jnp.exp(Gc - jnp.repeat(r, 16, axis=1))
+    Y = kc * jnp.exp(jnp.repeat(r, 16, axis=1) - Gc)  # every column against its own block
     i = jnp.arange(64)[:, None]
     j = jnp.arange(64)[None, :]
-    rblk = (i // 16)[None]
-    out, big = jnp.zeros(X.shape[:2] + (64,), f32), jnp.max(jnp.abs(X))
-    for I in range(4):
-        upto = (jnp.arange(64) < 16 * (I + 1))[None, :, None]
-        Y = jnp.where(upto, kc * jnp.exp(jnp.where(upto, r[:, I : I + 1] - Gc, 0.0)), 0.0)
-        big = jnp.maximum(big, jnp.max(jnp.abs(Y)))
-        m = sum(jnp.einsum("mid,mjd->mij", a, b, precision="highest") for a, b in stage(X, Y))
-        out = jnp.where(rblk == I, m, out)
+    blocks, big = [], jnp.max(jnp.abs(Y))
+    for J in range(4):
+        keep = (jnp.arange(64) >= 16 * J)[None, :, None]
+        X = jnp.where(keep, qc * jnp.exp(jnp.where(keep, Gc - r[:, J : J + 1], 0.0)), 0.0)
+        big = jnp.maximum(big, jnp.max(jnp.abs(X)))
+        YJ = Y[:, 16 * J : 16 * (J + 1)]
+        terms = stage(X, YJ)
+        blocks.append(sum(jnp.einsum("mid,mjd->mij", a, b, precision="highest") for a, b in terms))
+    out = jnp.concatenate(blocks, axis=2)
     return jnp.where((i >= j)[None], out, 0.0), big
 
 
@@ -197,25 +199,16 @@ def _lower(cfg, dt, K, V):
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_f16_split_lowers_for_cuda(variant, K, V):
+def test_f16_lowers_for_cuda(variant, K, V):
     """Lowers with the bf16 hi/lo operand tiles in at most half an SM's shared memory per CTA
     (two CTAs per SM; Mosaic's count for f16 io, KDA / GDN2: 100 504 / 108 720 B at
     K = V = 128, 100 392 / 100 440 B at K = V = 64, 100 440 / 100 456 B at K = 64, V = 128,
     100 496 / 100 432 B at K = 128, V = 64)."""
-    cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=True, split=True)
+    cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=True)
     with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
         txt = _lower(cfg, f16, K, V)
     calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
     assert len(calls) == 1 and re.search(r"\\00chan_intra\\00", calls[0]), len(calls)
-
-
-@pytest.mark.parametrize("K", [64, 128])
-def test_f16_unsplit_not_implemented(K):
-    """The one-CTA form has no hi/lo staging (no room at K = 128): it refuses f16."""
-    args = _shapes(1, 64, 1, 1, K, f16, True)
-    cfg = ChannelIntraConfig(scalar_beta=True, split=False)
-    with pytest.raises(NotImplementedError, match="split"):
-        jax.eval_shape(lambda *a: channel_intra(*a, cfg), *args)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,6 +218,6 @@ def test_f16_unsplit_not_implemented(K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("g_val", [-5.0, None])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_f16_split(variant, g_val):
+def test_gpu_f16_intra(variant, g_val):
     args = _f16_inputs(2, variant, 2, 2048, 4, 16, 128, g_val=g_val)
     check_f16(args, jit=True)

@@ -8,7 +8,7 @@ operand of their products with one scale per V column (docs/design.md: never thr
 
 - numerics (CPU interpreter, tiny shapes): each kernel against its stage equations in f32 jnp,
   from the same f16 inputs (the intra stage's outputs qg, kg, w, u, Aqk by their formulas,
-  :func:`test_channel_intra_split._refs`, rounded to f16), with per-token log-decay −5 on every
+  :func:`test_channel_intra._refs`, rounded to f16), with per-token log-decay −5 on every
   channel, no decay, random decays, GVA and a zero-padded partial chunk; and a large-state case
   (state / state gradient ~1e5) where the reference with plain f16 staging is not finite;
 - the CUDA lowering of the f16 kernels within an SM's shared memory, and NotImplementedError for
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gdn_cases import cached_jit, run_interpreted
-from test_channel_intra_split import _refs as _intra_refs
+from test_channel_intra import _refs as _intra_refs
 
 from gdn_jax.ops import _channel_pallas as cpm
 from gdn_jax.testing import rel_rms

@@ -516,11 +516,11 @@ def test_gpu_ksplit_wy(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow  # quick: the split intra in the DENSE op cases (bf16, K = V = 128, A stored),
-# the one-CTA intra in the PACKED ones (K != V)
+@pytest.mark.parametrize("gate_scale", [1.0, 10.0])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_gpu_intra_split(variant):
-    """The split intra kernel against the one-CTA kernel and the formulas, with GVA."""
-    from test_channel_intra_split import _inputs, check_split
+def test_gpu_intra(variant, gate_scale):
+    """The intra kernel against the formulas, with GVA, at per-channel log-decays in [−1, 0]
+    and in [−10, 0] (factors up to e^{±80} inside the diagonal blocks)."""
+    from test_channel_intra import TOL, _inputs, check_intra
 
-    check_split(_inputs(2, variant, 1024, 4, 8, 128), tol_split=1e-2, tol_ref=2e-2)
+    check_intra(_inputs(2, variant, 1024, 4, 8, 128, gate_scale=gate_scale), tol=TOL)

@@ -12,42 +12,42 @@ import pytest
 from pallas_kernels import _compat as pk
 from pallas_kernels.channel.plan import ChannelPlan, channel_plan, check_supported
 
-# (dtype, K, V, variant, store_a) -> (intra split, dq/dk/dw form, WY K-split), written out
+# (dtype, K, V, variant, store_a) -> (dq/dk/dw form, WY K-split), written out
 EXPECTED = {
-    # bf16: split intra at K = V = 128 (KDA only when A is stored), K-split backward at K = V = 128
-    ("bf16", 64, 64, "kda", False): (False, "one_cta", False),
-    ("bf16", 64, 64, "kda", True): (False, "one_cta", False),
-    ("bf16", 64, 64, "gdn2", False): (False, "one_cta", False),
-    ("bf16", 64, 64, "gdn2", True): (False, "one_cta", False),
-    ("bf16", 64, 128, "kda", False): (False, "one_cta", False),
-    ("bf16", 64, 128, "kda", True): (False, "one_cta", False),
-    ("bf16", 64, 128, "gdn2", False): (False, "one_cta", False),
-    ("bf16", 64, 128, "gdn2", True): (False, "one_cta", False),
-    ("bf16", 128, 64, "kda", False): (False, "one_cta", False),
-    ("bf16", 128, 64, "kda", True): (False, "one_cta", False),
-    ("bf16", 128, 64, "gdn2", False): (False, "one_cta", False),
-    ("bf16", 128, 64, "gdn2", True): (False, "one_cta", False),
-    ("bf16", 128, 128, "kda", False): (False, "k_split", True),
-    ("bf16", 128, 128, "kda", True): (True, "k_split", True),
-    ("bf16", 128, 128, "gdn2", False): (True, "k_split", True),
-    ("bf16", 128, 128, "gdn2", True): (True, "k_split", True),
-    # f16: split intra always, K-split backward at K = 128, the phased dq/dk/dw at K = 64
-    ("f16", 64, 64, "kda", False): (True, "phased", False),
-    ("f16", 64, 64, "kda", True): (True, "phased", False),
-    ("f16", 64, 64, "gdn2", False): (True, "phased", False),
-    ("f16", 64, 64, "gdn2", True): (True, "phased", False),
-    ("f16", 64, 128, "kda", False): (True, "phased", False),
-    ("f16", 64, 128, "kda", True): (True, "phased", False),
-    ("f16", 64, 128, "gdn2", False): (True, "phased", False),
-    ("f16", 64, 128, "gdn2", True): (True, "phased", False),
-    ("f16", 128, 64, "kda", False): (True, "k_split", True),
-    ("f16", 128, 64, "kda", True): (True, "k_split", True),
-    ("f16", 128, 64, "gdn2", False): (True, "k_split", True),
-    ("f16", 128, 64, "gdn2", True): (True, "k_split", True),
-    ("f16", 128, 128, "kda", False): (True, "k_split", True),
-    ("f16", 128, 128, "kda", True): (True, "k_split", True),
-    ("f16", 128, 128, "gdn2", False): (True, "k_split", True),
-    ("f16", 128, 128, "gdn2", True): (True, "k_split", True),
+    # bf16: K-split backward at K = V = 128
+    ("bf16", 64, 64, "kda", False): ("one_cta", False),
+    ("bf16", 64, 64, "kda", True): ("one_cta", False),
+    ("bf16", 64, 64, "gdn2", False): ("one_cta", False),
+    ("bf16", 64, 64, "gdn2", True): ("one_cta", False),
+    ("bf16", 64, 128, "kda", False): ("one_cta", False),
+    ("bf16", 64, 128, "kda", True): ("one_cta", False),
+    ("bf16", 64, 128, "gdn2", False): ("one_cta", False),
+    ("bf16", 64, 128, "gdn2", True): ("one_cta", False),
+    ("bf16", 128, 64, "kda", False): ("one_cta", False),
+    ("bf16", 128, 64, "kda", True): ("one_cta", False),
+    ("bf16", 128, 64, "gdn2", False): ("one_cta", False),
+    ("bf16", 128, 64, "gdn2", True): ("one_cta", False),
+    ("bf16", 128, 128, "kda", False): ("k_split", True),
+    ("bf16", 128, 128, "kda", True): ("k_split", True),
+    ("bf16", 128, 128, "gdn2", False): ("k_split", True),
+    ("bf16", 128, 128, "gdn2", True): ("k_split", True),
+    # f16: K-split backward at K = 128, the phased dq/dk/dw at K = 64
+    ("f16", 64, 64, "kda", False): ("phased", False),
+    ("f16", 64, 64, "kda", True): ("phased", False),
+    ("f16", 64, 64, "gdn2", False): ("phased", False),
+    ("f16", 64, 64, "gdn2", True): ("phased", False),
+    ("f16", 64, 128, "kda", False): ("phased", False),
+    ("f16", 64, 128, "kda", True): ("phased", False),
+    ("f16", 64, 128, "gdn2", False): ("phased", False),
+    ("f16", 64, 128, "gdn2", True): ("phased", False),
+    ("f16", 128, 64, "kda", False): ("k_split", True),
+    ("f16", 128, 64, "kda", True): ("k_split", True),
+    ("f16", 128, 64, "gdn2", False): ("k_split", True),
+    ("f16", 128, 64, "gdn2", True): ("k_split", True),
+    ("f16", 128, 128, "kda", False): ("k_split", True),
+    ("f16", 128, 128, "kda", True): ("k_split", True),
+    ("f16", 128, 128, "gdn2", False): ("k_split", True),
+    ("f16", 128, 128, "gdn2", True): ("k_split", True),
 }
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 
@@ -62,10 +62,10 @@ def test_plan_table(case):
     dt, K, V, variant, store_a = case
     scalar = variant == "kda"
     plan = channel_plan(DTYPES[dt], K, V, scalar_beta=scalar, store_a=store_a)
-    assert (plan.intra_split, plan.dqkw, plan.wy_split) == EXPECTED[case]
+    assert (plan.dqkw, plan.wy_split) == EXPECTED[case]
     # the kernels' configurations carry the plan's forms and the call's variant
     icfg = plan.intra_config()
-    assert (icfg.split, icfg.store_a, icfg.scalar_beta) == (plan.intra_split, store_a, scalar)
+    assert (icfg.store_a, icfg.scalar_beta) == (store_a, scalar)
     wcfg = plan.wy_config()
     assert (wcfg.k_split, wcfg.scalar_beta) == (plan.wy_split, scalar)
     assert plan.dqkw_k_split == (plan.dqkw != "one_cta")
@@ -105,4 +105,4 @@ def test_plan_validates_its_fields():
     with pytest.raises(ValueError, match="dqkw"):
         dataclasses.replace(plan, dqkw="two_cta")
     with pytest.raises(TypeError, match="wy_split"):
-        ChannelPlan(scalar_beta=False, store_a=True, intra_split=False, dqkw="one_cta", wy_split=1)
+        ChannelPlan(scalar_beta=False, store_a=True, dqkw="one_cta", wy_split=1)

@@ -1,16 +1,14 @@
-"""The split form of the channel-decay intra-chunk kernel (``ChannelIntraConfig(split=True)``).
+"""The channel-decay intra-chunk kernel (:func:`pallas_kernels.channel.intra.channel_intra`).
 
-Two CTAs per (chunk, value head): one forms L → A → w, u (and A), the other Aqk, qg, kg, each on
-[64, 64] register tiles with about half the shared memory. Checked against the one-CTA kernel on
-the same inputs (the same operands and products; only the f32 order of the two K-halves' partial
-sums differs, so qg and kg are bitwise equal) and against the stage's formulas in f32 jnp
-(:func:`gdn_jax.reference.chunked.intra_chunk` for A, w, u; explicit pairwise decays for Aqk);
-the CUDA lowering is checked on CPU, including the shared-memory budget of two CTAs per SM.
+Two CTAs per (chunk, value head): one forms L → A → w, u (and A), the other Aqk, qg, kg, with the
+decay of L and Aqk factored per 16-column block (one 64 × 16 × K product per block). Checked
+against the stage's formulas in f32 jnp (:func:`gdn_jax.reference.chunked.intra_chunk` for A, w,
+u; explicit pairwise decays for Aqk) at random, strong random and clamp-strength decays; the
+CUDA lowering is checked on CPU, including the shared-memory budget of two CTAs per SM.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -30,17 +28,19 @@ f32 = jnp.float32
 OUTS = ("qg", "kg", "w", "u", "aqk", "A")  # channel_intra's outputs (A with store_a), in order
 
 
-def _inputs(seed, variant, T, H, HV, K, g_val=None):
+def _inputs(seed, variant, T, H, HV, K, g_val=None, gate_scale=1.0):
     """channel_intra's inputs (q, k, v, G, b, w_gate) from the backward tests' core case: unit
-    q/k rows, per-channel log-decays in [−1, 0] (or all ``g_val``), gates in [0, 1]; KDA's β
-    as [B, HV, T]."""
-    _, (q, k, v, G, b, w, _), _ = core_case(seed, variant, 1, T, H, HV, K, g_val=g_val)
+    q/k rows, per-channel log-decays in [−gate_scale, 0] (or all ``g_val``), gates in [0, 1];
+    KDA's β as [B, HV, T]."""
+    _, (q, k, v, G, b, w, _), _ = core_case(
+        seed, variant, 1, T, H, HV, K, g_val=g_val, gate_scale=gate_scale
+    )
     return q, k, v, G, (b.transpose(0, 2, 1) if w is None else b), w
 
 
-def _intra(args, *, split, store_a=True):
+def _intra(args, *, store_a=True):
     q, k, v, G, b, w = args
-    cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=store_a, split=split)
+    cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=store_a)
     return dict(zip(OUTS, channel_intra(q, k, v, G, b, w, cfg), strict=False))
 
 
@@ -65,34 +65,27 @@ def _refs(args):
     )  # fmt: skip
 
 
-def check_split(args, *, tol_split, tol_ref, jit=True):
-    """split=True against split=False (``tol_split``; qg, kg bitwise) and against the formulas
-    (``tol_ref``, and no worse than twice the unsplit kernel's error), relative RMS."""
-    run_s, run_u = (
-        (cached_jit if jit else functools.partial)(_intra, split=s) for s in (True, False)
-    )
-    refs = cached_jit(_refs, reference=True) if jit else _refs
-    split, plain, ref = run_s(args), run_u(args), refs(args)
+def check_intra(args, *, tol, jit=True):
+    """Every output finite and within ``tol`` relative RMS of the formulas (the 16-bit operand
+    and output roundings: ~3e-3 measured for bf16)."""
+    run, refs = (cached_jit(_intra), cached_jit(_refs, reference=True)) if jit else (_intra, _refs)
+    got, ref = run(args), refs(args)
     report, bad = [], []
     for name in OUTS:
-        assert split[name].shape == plain[name].shape and split[name].dtype == plain[name].dtype
-        e_split = rel_rms(split[name], plain[name])
-        e_ref = rel_rms(split[name], ref[name])
-        e_plain = rel_rms(plain[name], ref[name])
-        report.append(f"{name}: split/plain {e_split:.1e}, split/ref {e_ref:.1e} "
-                      f"(plain/ref {e_plain:.1e})")  # fmt: skip
-        if not (e_split <= tol_split and e_ref <= max(tol_ref, 2 * e_plain)):
+        assert got[name].shape == ref[name].shape and got[name].dtype == args[1].dtype, name
+        assert np.isfinite(np.asarray(got[name], f32)).all(), name
+        e = rel_rms(got[name], ref[name])
+        report.append(f"{name} {e:.1e}")
+        if not e <= tol:
             bad.append(name)
-    print("split intra", "; ".join(report), flush=True)
-    for name in ("qg", "kg"):  # elementwise, from the same operands: bitwise
-        assert np.array_equal(np.asarray(split[name]), np.asarray(plain[name])), name
-    for name in OUTS:
-        assert np.isfinite(np.asarray(split[name], f32)).all(), name
-    assert not bad, (bad, "; ".join(report))
+    print("intra vs formulas:", ", ".join(report), flush=True)
+    assert not bad, (bad, report)
 
 
 # ------------------------------------------------------------------------------------------------
 # CPU: Mosaic GPU interpreter (two chunks, one q/k head; GVA: two value heads read it)
+
+TOL = 1e-2  # relative RMS against the f32 formulas (bf16 io; measured ≤ 3e-3)
 
 
 @pytest.mark.parametrize(
@@ -103,45 +96,54 @@ def check_split(args, *, tol_split, tol_ref, jit=True):
         ("gdn2", 1, 1, 64),  # one 64-column pass
     ],
 )
-def test_interpret_split_matches(variant, H, HV, K):
+def test_interpret_matches(variant, H, HV, K):
     args = _inputs(3, variant, 128, H, HV, K)
-    run_interpreted(lambda: check_split(args, tol_split=1e-4, tol_ref=2e-2, jit=False))
+    run_interpreted(lambda: check_intra(args, tol=TOL, jit=False))
 
 
-def test_interpret_split_strongest_decay():
-    """Log-decay −10 per token and channel (the op's clamp): the sub-chunk factors reach e^{±80}
-    and products above the diagonal overflow; the split kernel drops them as the unsplit one."""
+def test_interpret_strongest_decay():
+    """Log-decay −10 per token and channel (the op's clamp): the column-block factors reach
+    e^{±80} and products above the diagonal overflow; they are dropped, nothing else is hit."""
     args = _inputs(6, "kda", 64, 1, 1, 128, g_val=-10.0)
-    run_interpreted(lambda: check_split(args, tol_split=1e-4, tol_ref=2e-2, jit=False))
+    run_interpreted(lambda: check_intra(args, tol=TOL, jit=False))
 
 
-def test_interpret_split_without_a():
+def test_interpret_strong_random_decay():
+    """Per-channel log-decays uniform in [−10, 0]: every row and column factor of a block takes a
+    different exponent per channel, within e^{±80} (GDN2, GVA, two 64-column passes)."""
+    args = _inputs(8, "gdn2", 128, 1, 2, 128, gate_scale=10.0)
+    run_interpreted(lambda: check_intra(args, tol=TOL, jit=False))
+
+
+def test_interpret_without_a():
     """store_a=False: the same five outputs as with it (A's store is the only difference)."""
     args = _inputs(4, "kda", 64, 1, 1, 128)
 
     def run():
-        with_a = _intra(args, split=True)
-        without = _intra(args, split=True, store_a=False)
-        assert len(without) == 5
+        with_a = _intra(args)
+        without = _intra(args, store_a=False)
+        assert len(without) == 5 and len(with_a) == 6
         for name, x in without.items():
             assert np.array_equal(np.asarray(x), np.asarray(with_a[name])), name
 
     run_interpreted(run)
 
 
-def test_split_needs_k64_or_k128():
+def test_needs_k64_or_k128():
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     B, T, HV, K = 1, 64, 1, 192
     args = (S((B, T, 1, K), bf), S((B, T, 1, K), bf), S((B, T, HV, K), bf),
             S((B, T, HV, K), f32), S((B, HV, T), f32), None)  # fmt: skip
-    cfg = ChannelIntraConfig(scalar_beta=True, split=True)
-    with pytest.raises(NotImplementedError, match="split"):
+    cfg = ChannelIntraConfig(scalar_beta=True)
+    with pytest.raises(NotImplementedError, match="K, V"):
         jax.eval_shape(lambda *a: channel_intra(*a, cfg), *args)
 
 
-def test_config_validates_split():
-    with pytest.raises(TypeError, match="split"):
-        ChannelIntraConfig(split=1)
+def test_config_validates():
+    with pytest.raises(TypeError, match="scalar_beta"):
+        ChannelIntraConfig(scalar_beta=1)
+    with pytest.raises(TypeError, match="store_a"):
+        ChannelIntraConfig(store_a=None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,24 +167,15 @@ def _lower(cfg, dt, K=128):
 @pytest.mark.parametrize("store_a", [False, True])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
-def test_split_lowers_for_cuda(variant, store_a, dt):
+def test_lowers_for_cuda(variant, store_a, dt):
     """Lowers with at most half an SM's shared memory per CTA (two CTAs per SM)."""
-    cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=store_a, split=True)
+    cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=store_a)
     with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
         txt = _lower(cfg, dt)
     calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
     assert len(calls) == 1 and re.search(r"\\00chan_intra\\00", calls[0]), len(calls)
 
 
-@pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_unsplit_needs_a_whole_sm(variant):
-    """The reason for the split: the one-CTA form does not fit in half an SM at K = 128."""
-    cfg = ChannelIntraConfig(scalar_beta=variant == "kda")
-    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
-        with pytest.raises(ValueError, match="exceeds available shared memory"):
-            _lower(cfg, jnp.bfloat16)
-
-
 # ------------------------------------------------------------------------------------------------
-# GPU (H200): test_channel_pallas_bwd.py::test_gpu_intra_split runs check_split at a
-# realistic shape, in the module whose worker holds the per-kernel tests' inputs and kernels.
+# GPU (H200): test_channel_pallas_bwd.py::test_gpu_intra runs check_intra at a realistic shape,
+# in the module whose worker holds the per-kernel tests' inputs and kernels.
