@@ -453,6 +453,13 @@ def gated_delta_rule_pallas(
 
     # one zero-padded lane per batch row, or per sequence (costs N * T tokens of work; only where
     # the single-lane kernels cannot serve: block_v = 128)
+    if cu_seqlens is not None and cfg.state_quant is not None:
+        # each whole padding chunk after a shorter sequence would quantise its state once more:
+        # its final state would be the quantised one (an empty sequence's, the quantised h0)
+        raise NotImplementedError(
+            "packed sequences with states and the QAT state granularity 'matrix' at V = 128 "
+            "(the xla path serves them)"
+        )
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     qp, kp, vp, gp, bp = padded_lanes((q, k, v, g, beta), cu_seqlens, T, Tp)
 

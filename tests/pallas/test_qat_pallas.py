@@ -275,6 +275,27 @@ def test_matrix_state_scale_needs_the_whole_state_in_one_cta():
         jax.eval_shape(lambda *a: chunk_fwd(*a, cfg), *args)
 
 
+def test_packed_states_with_matrix_state_quant_at_v128_fall_back_to_xla():
+    """Padded lanes per sequence would quantise a short sequence's final state again in each
+    padding chunk, so the Pallas path refuses this combination and the default selection runs
+    xla: its final states are the unquantised end states (an empty sequence keeps h0)."""
+    cfg = qat.QATConfig(sites=("state",), state_granularity="matrix")
+    cu = jnp.asarray([0, 10, 10, 200], jnp.int32)  # a short sequence, an empty one, a long one
+    x = random_inputs(0, B=1, T=200, H=1, HV=1, K=64, V=128, n_states=3, dtype=jnp.bfloat16)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, cu_seqlens=cu, qat=cfg)
+    with pk.use_mode("interpret"):
+        with pytest.raises(ExceptionGroup) as e:
+            jax.eval_shape(lambda *a: gdn_jax.gated_delta_rule(*a, implementation="pallas", **kw),
+                           *args)  # fmt: skip
+        assert all(isinstance(err, NotImplementedError) for err in e.value.exceptions)
+        assert "matrix" in str(e.value.exceptions[0])
+        o, ht = gdn_jax.gated_delta_rule(*args, **kw)
+    o_x, ht_x = gdn_jax.gated_delta_rule(*args, implementation="xla", **kw)
+    np.testing.assert_array_equal(np.asarray(ht), np.asarray(ht_x))
+    np.testing.assert_array_equal(np.asarray(ht[1]), np.asarray(x["initial_state"][1]))
+
+
 def test_kda_and_gdn2_pallas_still_refuse_qat():
     x = random_inputs(2, B=1, T=64, H=1, HV=1, K=64, V=64, variant="kda", dtype=jnp.bfloat16)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
