@@ -18,9 +18,10 @@ around the reference of the block of the *contracted* index:
         F_I,j = e^{r_I − G_j} for j < 16 I + 16, else 0
 
 The factored operand (Ŷ or X̂, each row against its own block's reference) is one [C, K] tile,
-staged once; block J's product reads its rows 16 J … 16 J + 15 and a 16-wide slice of D (columns
-J for rows, rows I transposed for cols): one 64 × K × 16 wgmma per block, so the four blocks
-together cost one 64 × 64 × K product. The other factor F scales the block's f32 product in
+staged once (per part of its hi/lo pair, below); block J's product reads its rows
+16 J … 16 J + 15 and a 16-wide slice of D (columns J for rows, rows I transposed for cols): one
+64 × K × 16 wgmma per block and part, so the four blocks together cost one 64 × 64 × K product
+per part. The other factor F scales the block's f32 product in
 registers before it is added to Z. Where F's row lies outside the triangle (rows i < 16 J for
 "rows", j ≥ 16 I + 16 for "cols") D's entries in the block are zero, but F would be large or
 inf: its exponent is masked to 0 *before* ``exp`` and the value selected away with ``where``.
@@ -29,8 +30,9 @@ where F and the factored operand are within e^{±8·d} for per-token log-decays 
 op's clamp d = 10, inside the f32 / bf16 range). Exponentials are ``exp2(x · log2 e)``.
 
 wgmma contracts in steps of one swizzle width, so D and the factored operand live in tiles with a
-32-byte swizzle (16 columns of 16 bits, :func:`product_smem`); the kernels give them tiles of
-their own, whose only other uses are TMA stores.
+32-byte swizzle (16 columns of 16 bits, :func:`product_smem`), tiles of their own in the
+kernels (otherwise used only to stage TMA stores, or in the unsplit WY kernel sharing the space
+of tiles read before).
 
 All register tiles are f32 in the WGMMA layout; only wgmma operands are 16-bit. ``G`` comes from
 an f32 SMEM tile, the reference rows and G_last from small f32 SMEM tables (the same ones the

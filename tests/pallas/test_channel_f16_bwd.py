@@ -16,10 +16,11 @@ f16 with one scale per row (scaled f16 staging). Checked here:
 Tolerance (relative RMS, every output): 2e-3. The kernels' own errors are the f16 roundings of
 the staged states (2^-11 relative per row), of the non-factored f16 operands (bk e^G, w_gate v,
 dA hi/lo) and of the f16 outputs (dq without GVA, dw, dv): 1e-4 … 3e-4 measured on the
-interpreter; the hi/lo products add ~2^-16. A single bf16 rounding of D or of the factored
-operands (the bf16 io kernels, checked at 2e-2 in test_channel_pallas_bwd) is 2^-9 ≈ 2e-3
-relative; staging the factored operands in plain f16 gives inf (asserted in
-:func:`test_inputs_exceed_f16`: they exceed 65504).
+interpreter; the hi/lo products add ~2^-16. A single bf16 rounding of D (the bf16 io kernels,
+checked at 2e-2 in test_channel_pallas_bwd) is 2^-9 ≈ 2e-3 relative; staging the factored
+operands in plain f16 gives inf (asserted in :func:`test_inputs_exceed_f16`: they exceed 65504).
+Per-channel decays that change strongly from one 16-row block to the next
+(:func:`test_interpret_block_decays`) check the products' per-block references and masks.
 """
 
 from __future__ import annotations
