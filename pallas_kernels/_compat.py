@@ -252,18 +252,24 @@ def _install_host_operand_interpreter_callbacks() -> None:
 _install_host_operand_interpreter_callbacks()
 
 
-def transforms_for(cols: int, dtype) -> tuple:
-    """TMA/wgmma-friendly tiling + swizzle for a 2-D SMEM tile with ``cols`` columns."""
+def transforms_for(cols: int, dtype, swizzle: int = 128) -> tuple:
+    """TMA/wgmma-friendly tiling + swizzle for a 2-D SMEM tile with ``cols`` columns: a swizzle
+    of ``swizzle`` bytes (at most a row's bytes) and tiles of 8 rows × one swizzle width."""
     itemsize = jnp.dtype(dtype).itemsize
     row_bytes = cols * itemsize
-    swizzle = min(128, row_bytes)
+    swizzle = min(swizzle, row_bytes)
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def smem(shape: Sequence[int], dtype, *, swizzled: bool = True):
-    """An SMEM allocation; 2-D (or stacked 2-D) tiles are tiled and swizzled for wgmma/TMA."""
+def smem(shape: Sequence[int], dtype, *, swizzled: bool = True, swizzle: int = 128):
+    """An SMEM allocation; 2-D (or stacked 2-D) tiles are tiled and swizzled for wgmma/TMA.
+
+    ``swizzle``: the swizzle in bytes (128 by default). wgmma contracts in steps of one swizzle
+    width, so a product over 16 rows or columns of 16-bit tiles needs ``swizzle=32`` on both
+    operands (wgmma takes one swizzle for A and B)."""
     if swizzled and len(shape) >= 2:
-        return plgpu.SMEM(tuple(shape), dtype, transforms=transforms_for(shape[-1], dtype))
+        transforms = transforms_for(shape[-1], dtype, swizzle)
+        return plgpu.SMEM(tuple(shape), dtype, transforms=transforms)
     return plgpu.SMEM(tuple(shape), dtype)
 
 

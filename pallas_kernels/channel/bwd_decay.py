@@ -1,34 +1,61 @@
-"""In-kernel helpers of the channel-decay backward: products whose decay sits inside the K sum.
+"""In-kernel helpers of the channel-decay backward: products whose decay sits inside a sum.
 
 With a decay per key channel, ``e^{G_i − G_j}`` (G: chunk-local cumulative log-decay, [C, K])
-sits inside the K contraction of every intra-chunk product, so it is factored onto the operands
-around a reference row. The chunk is cut into four 16-row sub-chunks; sub-chunk I uses
-``r_I = G[16 I + 8]`` (its middle row). For rows i of sub-chunk I and columns j ≤ last(I):
+multiplies every element of the backward's intra-chunk products (D lower triangular, [C, C]):
 
-    e^{G_i − G_j} = e^{G_i − r_I} · e^{r_I − G_j}
+    rows:  Z_i = Σ_j D_ij (Y_j ⊙ e^{G_i − G_j})                   [C, K]
+    cols:  Z_j = Σ_i D_ij (X_i ⊙ e^{G_i − G_j})                   [C, K]
 
-and with per-token log-decays ≥ −d every factor is at most ``e^{8 d}`` (``e^{40}`` for d = 5), far
-from the f32/bf16 range; rows after sub-chunk I are masked *before* the exponential. The decayed
-products of the backward are then sums of four plain tensor-core products:
+The chunk's C = 64 rows are cut into four 16-row blocks; block J has the reference row
+``r_J = G[16 J + 8]`` (its middle row, as in the forward's intra kernel). The decay is factored
+around the reference of the block of the *contracted* index:
 
-    rows:  Z_i    = Σ_j D_ij (Y_j ⊙ e^{G_i − G_j})                (D lower triangular)
-    cols:  Z_j    = Σ_i D_ij (X_i ⊙ e^{G_i − G_j})
+    rows (j in block J):  e^{G_i − G_j} = e^{G_i − r_J} · e^{r_J − G_j}
+        Z = Σ_J F_J ⊙ (D[:, J] · Ŷ[J]),    Ŷ_j = Y_j e^{r_{J(j)} − G_j}
+        F_J,i = e^{G_i − r_J} for i ≥ 16 J, else 0
+    cols (i in block I):  e^{G_i − G_j} = e^{r_I − G_j} · e^{G_i − r_I}
+        Z = Σ_I F_I ⊙ (D[I, :]ᵀ · X̂[I]),   X̂_i = X_i e^{G_i − r_{I(i)}}
+        F_I,j = e^{r_I − G_j} for j < 16 I + 16, else 0
 
-All register tiles are f32 in the WGMMA layout; only wgmma operands are 16-bit (staged in one
-scratch SMEM tile each). ``G`` comes from an f32 SMEM tile, the reference rows and G_last from
-small f32 SMEM tables (the same ones the forward's intra kernel reads).
+The factored operand (Ŷ or X̂, each row against its own block's reference) is one [C, K] tile,
+staged once (per part of its hi/lo pair, below); block J's product reads its rows
+16 J … 16 J + 15 and a 16-wide slice of D (columns J for rows, rows I transposed for cols): one
+64 × K × 16 wgmma per block and part, so the four blocks together cost one 64 × 64 × K product
+per part. The other factor F scales the block's f32 product in
+registers before it is added to Z. Where F's row lies outside the triangle (rows i < 16 J for
+"rows", j ≥ 16 I + 16 for "cols") D's entries in the block are zero, but F would be large or
+inf: its exponent is masked to 0 *before* ``exp`` and the value selected away with ``where``.
+G is non-increasing (log-decays ≤ 0), so inside the triangle F ≤ 1 except in the diagonal block,
+where F and the factored operand are within e^{±8·d} for per-token log-decays ≥ −d (e^{80} at the
+op's clamp d = 10, inside the f32 / bf16 range). Exponentials are ``exp2(x · log2 e)``.
 
-bf16 io: the factored operand (Y or X times a decay factor, [C, K]) is staged as bf16 hi + lo
-(two wgmma passes through one scratch tile) and D is a plain bf16 tile.
+wgmma contracts in steps of one swizzle width, so D and the factored operand live in tiles with a
+32-byte swizzle (16 columns of 16 bits, :func:`product_smem`), tiles of their own in the
+kernels (otherwise used only to stage TMA stores, or in the unsplit WY kernel sharing the space
+of tiles read before).
 
-f16 io (docs/design.md): a factored operand reaches ``e^{8 d}`` and spans ``e^{15 d}``
-within a sub-chunk, beyond f16's range (65504) and dynamic range even with per-column scales, so
-it is staged as a **bf16** hi/lo pair (f32 range, ~16-bit precision). wgmma needs both operands
-of one instruction in one dtype, so D (computed in f32 by the kernels) is staged as a bf16 hi/lo
-pair too (``lo_s`` arguments, :meth:`Decay.stage_pair`), and each sub-chunk product accumulates
-``D_hi Y_hi + D_lo Y_hi`` (one :func:`~pallas_kernels._compat.matmul_sum`) and then ``D_hi Y_lo``
-in the same f32 sum (the ``D_lo Y_lo`` term, ~2^-18 relative, is dropped). The scratch tiles of
-the factored operand and of D are bf16 in f16 mode (:func:`operand_dtype`).
+All register tiles are f32 in the WGMMA layout; only wgmma operands are 16-bit. ``G`` comes from
+an f32 SMEM tile, the reference rows and G_last from small f32 SMEM tables (the same ones the
+forward's intra kernel reads).
+
+The factored operand is staged as a 16-bit pair hi = rnd(Ŷ), lo = rnd(Ŷ − hi) (≈ f32), hi and
+lo in turn through one tile: every block accumulates ``D Ŷ_hi`` with Ŷ_hi staged, then ``D Ŷ_lo``
+with Ŷ_lo staged, each block's product scaled by F into the same f32 Z (two 64 × K × 16 wgmmas
+per block). The pair is needed in bf16 too: the row and column halves of a pairwise product's
+gate gradient (dG = dq ⊙ q − dk ⊙ k, and the WY kernel's dbk ⊙ bk − dkL ⊙ k) must cancel over
+the chunk (the product depends only on G differences), which single 16-bit roundings of the two
+differently factored operands break (the op's gate gradient then misses the 2x rule of
+docs/design.md in the interpreter tests). D is rounded once and shared by both halves.
+
+bf16 io: D is a plain bf16 tile, the factored operand a bf16 hi/lo pair.
+
+f16 io (docs/design.md): the factored operand reaches ``e^{8 d}``, beyond f16's range (65504),
+and spans more than its dynamic range within a block, so its pair is **bf16** (f32 range,
+~16-bit precision). wgmma needs both operands of one instruction in one dtype, so D (computed in
+f32 by the kernels) is staged as a bf16 hi/lo pair too (``lo_s`` arguments,
+:meth:`Decay.stage_pair`), and with Ŷ_hi staged each block accumulates ``D_hi Ŷ_hi + D_lo Ŷ_hi``
+(the ``D_lo Ŷ_lo`` term, ~2^-18 relative, is dropped). The tiles of the factored operand and of D
+are bf16 in f16 mode (:func:`operand_dtype`).
 """
 
 from __future__ import annotations
@@ -45,7 +72,9 @@ from pallas_kernels._tiles import CHUNK
 SUB = 16
 NSUB = CHUNK // SUB
 HALF = 64  # key / value columns per CTA or per pass of the split kernels (K = 128 in two)
+SWIZZLE = 32  # bytes: the decayed products' tiles, 16-wide contraction steps for wgmma
 f32 = jnp.float32
+LOG2E = 1.4426950408889634
 
 __all__ = [
     "Decay",
@@ -56,13 +85,25 @@ __all__ = [
     "decay_copies",
     "decay_smem",
     "operand_dtype",
+    "product_smem",
 ]
+
+
+def _exp(x: jax.Array) -> jax.Array:
+    """e^x as 2^(x·log2 e) (the ex2 instruction; see :mod:`pallas_kernels.channel.intra`)."""
+    return jnp.exp2(x * LOG2E)
 
 
 def operand_dtype(dt):
     """The SMEM dtype of the decayed products' operands (factored tile and D) for io dtype
     ``dt``: ``dt`` itself for bf16, bf16 (hi/lo pairs, f32 range) for f16."""
     return jnp.bfloat16 if dt == jnp.float16 else dt
+
+
+def product_smem(shape, dt):
+    """An SMEM tile for an operand of the decayed products (D [C, C], the factored operand
+    [C, K]): a 32-byte swizzle, so that wgmma can contract over 16 of its rows or columns."""
+    return cp.smem(shape, dt, swizzle=SWIZZLE)
 
 
 def decay_smem(C: int, n: int) -> tuple:
@@ -123,39 +164,24 @@ class Decay:
         return cp.bcast_cols(self.ref(i), self.shape)
 
     def own_ref(self) -> jax.Array:
-        """[C, K]: each row's sub-chunk reference row r_{I(i)}."""
+        """[C, K]: each row's block reference row r_{J(i)}."""
         R = self.bref(NSUB - 1)
         for i in range(NSUB - 2, -1, -1):
             R = jnp.where(self.blk == i, self.bref(i), R)
         return R
 
-    def e_own(self) -> jax.Array:
-        """e^{G_i − r_{I(i)}}: each row against its own sub-chunk's reference (|exp.| ≤ 8 d)."""
-        return jnp.exp(self.G() - self.own_ref())
-
-    def e_to(self, i: int) -> jax.Array:
-        """e^{r_i − G_j} for rows j ≤ last(i), 0 below (masked before exp)."""
-        keep = self.row < SUB * (i + 1)
-        return jnp.where(keep, jnp.exp(jnp.where(keep, self.bref(i) - self.G(), 0.0)), 0.0)
-
     def e_last(self) -> jax.Array:
         """e^{G_last − G} (≤ 1 for non-positive increments)."""
         return jnp.exp(self.bref(NSUB) - self.G())
 
-    def in_blk(self, i: int):
-        return self.blk == i
-
     # ----------------------------------------------------------------------------------------
-    # products
+    # staging
 
-    def stage(self, s, val, part: int):
-        """Writes the ``part`` (0: hi, 1: lo) of the two-term 16-bit split of f32 ``val`` to ``s``.
-
-        The decayed products are staged as hi + lo (≈ f32): the row and column halves of a
-        pairwise product's gate gradient must cancel over the chunk (the product depends only on
-        G differences), which a single 16-bit rounding of differently scaled operands breaks.
-        """
-        dt = s.dtype  # the io dtype, or bf16 for a factored operand in f16 mode
+    @staticmethod
+    def stage(s, val, part: int):
+        """Writes the ``part`` (0: hi, 1: lo) of the two-term 16-bit split of f32 ``val`` to
+        ``s`` (in the tile's dtype) and commits; part 0 alone is the plain 16-bit rounding."""
+        dt = s.dtype
         hi = val.astype(dt)
         s[...] = hi if part == 0 else (val - hi.astype(f32)).astype(dt)
         plgpu.commit_smem()
@@ -170,43 +196,72 @@ class Decay:
         if lo_s is not None:
             lo_s[...] = (val - hi.astype(f32)).astype(lo_s.dtype)
 
-    @staticmethod
-    def _mm(a, a_lo, b, part: int, shape) -> jax.Array:
-        """a @ b for staged part ``part`` of b; with a_lo (f16 mode) part 0 adds a_lo @ b in the
-        same accumulator (the hi·hi + lo·hi terms; part 1 is hi·lo)."""
-        if a_lo is None or part:
-            return cp.matmul(a, b, shape)
-        return cp.matmul_sum(((a, b), (a_lo, b)), shape)
+    # ----------------------------------------------------------------------------------------
+    # products
+
+    def _blocks(self, d_blk, val, s, lo_s, factor) -> jax.Array:
+        """Σ_J F_J ⊙ (D_J · val[J]) for the four 16-row blocks J of the staged operand.
+
+        ``val``: the factored operand [C, K] f32, staged to ``s`` as hi, then as lo (each once,
+        every block reading it before the next staging). ``d_blk(lo, J)``: block J's [C, 16] A
+        operand from D's tile (``lo`` None) or from D's lo tile ``lo``. ``lo_s`` (f16 mode): D's
+        lo tile, multiplied with the operand's hi. ``factor(J)``: (keep mask or None, exponent)
+        of F_J; its exponential runs while the block's wgmmas do.
+        """
+        Z = None
+        for part in (0, 1):
+            self.stage(s, val, part)
+            for J in range(NSUB):
+                pairs = [(d_blk(None, J), s.at[pl.ds(SUB * J, SUB)])]
+                if part == 0 and lo_s is not None:
+                    pairs.append((d_blk(lo_s, J), s.at[pl.ds(SUB * J, SUB)]))
+                keep, expo = factor(J)
+
+                def body(acc, pairs=pairs, keep=keep, expo=expo):
+                    for a, b in pairs:
+                        plgpu.wgmma(acc, a, b)
+                    if keep is None:
+                        f = _exp(expo)
+                    else:  # masked before exp: outside the triangle F would overflow
+                        f = _exp(jnp.where(keep, expo, 0.0))
+                    plgpu.wgmma_wait(0)
+                    t = acc[...] * f
+                    return t if keep is None else jnp.where(keep, t, 0.0)
+
+                t = pl.run_scoped(body, plgpu.ACC(self.shape, f32))
+                Z = t if Z is None else Z + t
+        return Z
 
     def rows(self, d_s, Y, ys_s, *, lo_s=None) -> jax.Array:
-        """Z_i = Σ_j D_ij Y_j e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
+        """Z_i = Σ_j D_ij Y_j e^{G_i − G_j} (D strictly lower triangular, 16-bit SMEM [C, C]).
 
-        Y: [C, K] f32 registers. Returns [C, K] f32. ``lo_s`` (f16 mode): the bf16 lo part of D;
-        ``ys_s`` and D are bf16 then.
+        Y: [C, K] f32 registers. ``ys_s``: the [C, K] operand tile. Both tiles from
+        :func:`product_smem`. ``lo_s`` (f16 mode): the bf16 lo part of D; ``ys_s`` and D are
+        bf16 then. Returns [C, K] f32.
         """
-        Z = None
-        for i in range(NSUB):
-            val = Y * self.e_to(i)
-            for part in (0, 1):
-                self.stage(ys_s, val, part)
-                t = jnp.where(self.in_blk(i), self._mm(d_s, lo_s, ys_s, part, self.shape), 0.0)
-                Z = t if Z is None else Z + t
-        return Z * self.e_own()
+
+        def d_blk(lo, J):  # D[:, J]: the columns of block J
+            return (d_s if lo is None else lo).at[:, pl.ds(SUB * J, SUB)]
+
+        def factor(J):  # F_J,i = e^{G_i − r_J} for rows i ≥ 16 J
+            return (None if J == 0 else self.blk >= J), self.G() - self.bref(J)
+
+        Yf = Y * _exp(self.own_ref() - self.G())  # Y_j e^{r_{J(j)} − G_j}
+        return self._blocks(d_blk, Yf, ys_s, lo_s, factor)
 
     def cols(self, d_s, X, xs_s, *, lo_s=None) -> jax.Array:
-        """Z_j = Σ_i D_ij X_i e^{G_i − G_j} (D lower triangular, 16-bit SMEM [C, C]).
+        """Z_j = Σ_i D_ij X_i e^{G_i − G_j} (D strictly lower triangular, 16-bit SMEM [C, C]).
 
-        X: [C, K] f32 registers. Returns [C, K] f32. ``lo_s`` (f16 mode): the bf16 lo part of D;
-        ``xs_s`` and D are bf16 then.
+        X: [C, K] f32 registers. ``xs_s``: the [C, K] operand tile. Both tiles from
+        :func:`product_smem`. ``lo_s`` (f16 mode): the bf16 lo part of D; ``xs_s`` and D are
+        bf16 then. Returns [C, K] f32.
         """
-        Z = None
-        for i in range(NSUB):
-            t = None
-            val = jnp.where(self.in_blk(i), X * self.e_own(), 0.0)
-            for part in (0, 1):
-                self.stage(xs_s, val, part)
-                m = self._mm(d_s.T, None if lo_s is None else lo_s.T, xs_s, part, self.shape)
-                t = m if t is None else t + m
-            t = self.e_to(i) * t
-            Z = t if Z is None else Z + t
-        return Z
+
+        def d_blk(lo, I):  # D[I, :]ᵀ: the rows of block I, transposed
+            return (d_s if lo is None else lo).at[pl.ds(SUB * I, SUB)].T
+
+        def factor(I):  # F_I,j = e^{r_I − G_j} for rows j < 16 I + 16
+            return (None if I == NSUB - 1 else self.blk <= I), self.bref(I) - self.G()
+
+        Xf = X * _exp(self.G() - self.own_ref())  # X_i e^{G_i − r_{I(i)}}
+        return self._blocks(d_blk, Xf, xs_s, lo_s, factor)

@@ -12,8 +12,12 @@ dv2 = dL/dv_new (from :mod:`bwd_dh`), and D_ij = e^{G_id − G_jd} per key chann
     dG_last += Σ_i (e^{G_last − G} ⊙ (v_new dhᵀ) ⊙ k)_i             (added to the last row here)
 
 The remaining last-row term e^{G_last} ⊙ Σ_v h ⊙ dh is added by the caller. The decayed products
-use the sub-chunk reference rows of :mod:`bwd_decay`. h and dh share one SMEM tile (dh is loaded
-once h's products are done) to stay inside the shared-memory budget at K = V = 128.
+factor the decay around one reference row per 16-row block of the contracted index
+(:mod:`bwd_decay`): per product, the factored operand is staged once (as a 16-bit hi/lo pair) and
+each of the four blocks is a 64 × K × 16 wgmma per staged part, so the two parts together cost two
+64 × 64 × K products (f16: three, with dP's lo part). dP and the factored operand live in tiles
+with a 32-byte swizzle (:func:`bwd_decay.product_smem`). h and dh share one SMEM tile (dh is
+loaded once h's products are done) to stay inside the shared-memory budget at K = V = 128.
 
 K-split form (``k_split=True``, K = 128, V ∈ {64, 128}): every output is separable over the key
 dimension
@@ -66,6 +70,7 @@ from pallas_kernels.channel.bwd_decay import (
     decay_copies,
     decay_smem,
     operand_dtype,
+    product_smem,
 )
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
@@ -155,8 +160,8 @@ def _dqkw_body(
     f16 = ()
     if scaled:
         f16 = (
-            cp.smem((C, C), odt),  # dP lo
-            cp.smem((C, K), odt),  # factored-operand scratch
+            product_smem((C, C), odt),  # dP lo
+            product_smem((C, K), odt),  # factored operand
             cp.smem((K, V), h_g.dtype),  # h, then dh, as stored (f32)
             cp.smem((2, K), f32, swizzled=False),  # row scales of the staged h, dh
         )
@@ -170,8 +175,8 @@ def _dqkw_body(
         cp.smem((C, V), dt),  # do
         cp.smem((C, V), dt),  # dv2 hi
         cp.smem((C, V), dt),  # dv2 lo
-        cp.smem((C, C), odt),  # dP (hi)
-        cp.smem((C, K), dt),  # operand scratch (and the dw staging)
+        product_smem((C, C), odt),  # dP (hi)
+        product_smem((C, K), dt),  # bf16: factored operand; dw, dq staging
         cp.smem((C, K), f32),  # f32 output staging
         plgpu.Barrier(num_barriers=11),
         *f16,
@@ -359,7 +364,7 @@ def _dqkw_ksplit_body(
     f16 = ()
     if scaled:
         f16 = (
-            cp.smem((C, C), odt),  # dP lo
+            product_smem((C, C), odt),  # dP lo
             cp.smem((2, KH), f32, swizzled=False),  # row scales of the staged h, dh
             plgpu.Barrier(num_barriers=2),  # h, dh loads
         )
@@ -367,8 +372,8 @@ def _dqkw_ksplit_body(
         scoped,
         cp.smem((KH, V), dt),  # h, then dh (rows kh of the state)
         cp.smem((C, V), dt),  # v_new
-        cp.smem((C, C), odt),  # dP (hi)
-        cp.smem((C, KH), odt),  # operand scratch (and the dw / bf16 dq staging)
+        product_smem((C, C), odt),  # dP (hi)
+        product_smem((C, KH), odt),  # factored operand (and the dw / bf16 dq staging)
         plgpu.Barrier(num_barriers=5),  # phase 1 loads
         plgpu.Barrier(num_barriers=6),  # phase 2 loads
         *f16,

@@ -17,19 +17,28 @@ du = dv2 (from :mod:`bwd_dh`, as two 16-bit terms hi + lo):
 with D_ij = e^{G_id − G_jd}. GDN2 writes db [C, K] and dw_gate [C, V] per element; KDA writes
 dβ = Σ_d db + Σ_v dw_gate per row.
 
-f16 io (docs/design.md): the decayed "rows"/"cols" products take dL and the factored
-operand as bf16 hi/lo pairs (:mod:`bwd_decay`), in three bf16 tiles of their own (dL hi, dL lo,
-the operand scratch); every other product keeps f16 operands (bk ⊙ e^G and w_gate ⊙ v are
-bounded by |bk|, |v| as G ≤ 0); the f32 gradients dA and dA Aᵀ go through their f16 tile as
-hi + lo with the f16 A, as for bf16, but scaled per row / column into f16's range
-(:func:`_neg_inverse_product`, scaled f16 staging). Forms serving f16, Mosaic's SMEM count per CTA
-(KDA / GDN2):
+The decayed products factor the decay around one reference row per 16-row block of the
+contracted index (:mod:`bwd_decay`): per product, the factored operand is staged once (as a
+16-bit hi/lo pair) and each of the four blocks is a 64 × K × 16 wgmma per staged part (two
+64 × 64 × K products' worth; f16: three, with dL's lo part). dL and the factored operand live in
+tiles of their own with a 32-byte swizzle (:func:`bwd_decay.product_smem`): in the unsplit form
+they share their space with v and du (a :class:`plgpu.RefUnion`; v and du are read before dL is
+staged), in the K-split form they take turns with dA's staging tile in the own K-half pass.
 
-- K-split (K = 128, V ∈ {64, 128}): the dL tiles take turns with dA's f16 staging tile in the
-  own K-half pass: ≈ 97 410 / 110 740 B at V = 128, 97 384 / 110 712 B at V = 64 (bf16, V = 128:
-  81 024 / 94 360 B), within half an SM;
-- unsplit at K = 64: ≈ 129 100 / 143 450 B at V = 64, 170 060 / 217 180 B at V = 128 (one CTA
-  per SM); at K = 128 it would exceed an SM: NotImplementedError (use k_split).
+f16 io (docs/design.md): the decayed "rows"/"cols" products take dL and the factored operand as
+bf16 hi/lo pairs (:mod:`bwd_decay`), in three bf16 tiles (dL hi, dL lo, the operand); every other
+product keeps f16 operands (bk ⊙ e^G and w_gate ⊙ v are bounded by |bk|, |v| as G ≤ 0); the f32
+gradients dA and dA Aᵀ go through their f16 tile as hi + lo with the f16 A, as for bf16, but
+scaled per row / column into f16's range (:func:`_neg_inverse_product`, scaled f16 staging).
+
+Mosaic's SMEM count per CTA when lowering (KDA / GDN2):
+
+- K-split (K = 128): f16 97 408 / 110 744 B at V = 128, 97 384 / 110 712 B at V = 64; bf16
+  89 216 / 102 552 B at V = 128, 89 192 / 102 520 B at V = 64: two CTAs per SM;
+- unsplit (one CTA per SM), f16 at K = 64: 104 528 / 120 920 B at V = 64, 145 488 / 194 648 B
+  at V = 128; at K = 128 it would exceed an SM: NotImplementedError (use k_split). bf16:
+  104 528 / 118 872 B at K = V = 64, 145 488 / 192 600 B at K = 64, V = 128, 171 088 / 218 200 B
+  at K = 128, V = 64, 187 472 / 218 200 B at K = V = 128.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from pallas_kernels.channel.bwd_decay import (
     decay_copies,
     decay_smem,
     operand_dtype,
+    product_smem,
 )
 from pallas_kernels.gdn.fake_quant import f16_stage_scales
 
@@ -71,7 +81,7 @@ class ChannelBwdWyConfig:
       scalar_beta: KDA (one β per token and value head, [B, HV, T]); else GDN2 gates.
       k_split: two CTAs per (chunk, value head), each producing one 64-column half of the key-
         side outputs and (V = 128) of the value-side ones (K = 128, V ∈ {64, 128} only): [C, 64]
-        register tiles and ≤ 90 KB of SMEM per CTA (bf16), so two CTAs share an SM (see
+        register tiles and ≤ 102 552 B of SMEM per CTA (bf16), so two CTAs share an SM (see
         :func:`_split_body`).
     """
 
@@ -136,11 +146,12 @@ def _wy_body(*refs, scalar: bool, group: int):
     dt = k_g.dtype
     scaled = dt == jnp.float16  # f16 io: the decayed products in bf16 hi/lo (bwd_decay)
 
-    def scoped(k_s, v_s, g_s, gr_s, gl_s, gate_s, a_s, dw_s, duh_s, dul_s, x_s, m_s, st_s,
-               vec_s, bar, *extra):  # fmt: skip
-        # f16 (the last three): dL hi, dL lo, the factored-operand scratch, all bf16
-        dl_s, dll_s, ys_s = extra[-3:] if scaled else (m_s, None, x_s)
-        extra = extra[:-3] if scaled else extra
+    def scoped(k_s, g_s, gr_s, gl_s, gate_s, a_s, dw_s, union, x_s, m_s, st_s, vec_s, bar,
+               *extra):  # fmt: skip
+        # v, du hi, du lo share their space with the tiles of the decayed products (dL, f16:
+        # dL lo, and the factored operand), written only once v and du are read
+        (v_s, duh_s, dul_s), prod = union
+        dl_s, dll_s, ys_s = prod if scaled else (prod[0], None, prod[1])
         # [C, V] operand scratch: the [C, K] one when V == K, else its own tile (``extra``)
         xv_s = x_s if V == K else extra[0]
         if scalar:
@@ -205,7 +216,6 @@ def _wy_body(*refs, scalar: bool, group: int):
         plgpu.commit_smem()
 
         dkbg = cp.matmul(a_s.T, dw_s, (C, K))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the dv store has read x_s
         dbk_l = dec.rows(dl_s, k, ys_s, lo_s=dll_s)
         dbk = dkbg * eG + dbk_l
         dG = (dkbg * eG + dbk_l) * bk  # = dkbg ⊙ bk e^G + dbk_L ⊙ bk
@@ -237,21 +247,24 @@ def _wy_body(*refs, scalar: bool, group: int):
         extra.append(cp.smem((C, V), dt))
         if not scalar:
             extra.append(cp.smem((C, K), f32))
-    if dt == jnp.float16:  # dL hi, dL lo, the factored-operand scratch (bf16)
-        odt = operand_dtype(dt)
-        extra += [cp.smem((C, C), odt)] * 2 + [cp.smem((C, K), odt)]
+    odt = operand_dtype(dt)  # bf16 (hi/lo pairs) for f16 io
+    prod = [product_smem((C, C), odt)]  # dL (hi)
+    if scaled:
+        prod.append(product_smem((C, C), odt))  # dL lo
+    prod.append(product_smem((C, K), odt))  # factored operand
     pl.run_scoped(
         scoped,
         cp.smem((C, K), dt),  # k
-        cp.smem((C, V), dt),  # v
         *decay_smem(C, K),  # G, reference rows, G_last
         gate,  # β, or (b, w_gate)
         cp.smem((C, C), dt),  # A
         cp.smem((C, K), dt),  # dw
-        cp.smem((C, V), dt),  # du hi
-        cp.smem((C, V), dt),  # du lo
-        cp.smem((C, K), dt),  # operand scratch
-        cp.smem((C, C), dt),  # dA, dA Aᵀ (hi, lo), then dL
+        plgpu.RefUnion(
+            (cp.smem((C, V), dt), cp.smem((C, V), dt), cp.smem((C, V), dt)),  # v, du hi, du lo
+            tuple(prod),
+        ),
+        cp.smem((C, K), dt),  # operand scratch of dA
+        cp.smem((C, C), dt),  # dA, dA Aᵀ (hi, lo)
         cp.smem((C, K), f32) if scalar else cp.smem((8,), f32),  # f32 staging (KDA)
         cp.smem((C,), f32),  # dβ (KDA)
         plgpu.Barrier(num_barriers=n_bar),
@@ -285,23 +298,21 @@ def _split_body(*refs, scalar: bool, group: int):
     Every register tile is [C, 64] f32 (32 registers a thread). SMEM bytes per CTA, bf16 io,
     GDN2 / KDA (a KDA-only or GDN2-only buffer is a 32-byte placeholder in the other variant):
 
-        persistent  A 8192, operand scratch 8192, dA/dL 8192, dβ 256, β 256 (KDA),
-                    barriers 19 / 16 × 8                                 25 016 / 25 216
+        persistent  A 8192, operand scratch 8192, dβ 256, β 256 (KDA),
+                    barriers 19 / 16 × 8                                 16 824 / 17 024
         pass 1, 2   du hi 8192, du lo 8192, v 8192, w_gate 16384 (GDN2) 40 960 / 24 608
         pass 3      k 8192, G 16384, b 16384 (GDN2), dw 8192, 3 placeholders 96
                                                                          49 248 / 32 896
         pass 4      k, G, b, dw as pass 3, reference rows 1024, G_last 256,
                     f32 staging 16384                                    66 816 / 50 464
+          then      dA's staging 8192, then dL 8192 + factored operand 8192
+                    (32-byte swizzle)                                    16 384
 
-    Peak (persistent + pass 4): 91 832 B ≈ 90 KiB (GDN2) / 75 680 B ≈ 74 KiB (KDA), against
-    215 928 B / 183 376 B unsplit (by the same count), so two CTAs share an SM (228 KiB); alignment
-    padding comes on top. ``bench_gdn.py --stages`` on the H200 (B=4, T=4096, HV=16): 2.0–2.4 ms
-    (KDA) and 2.9–3.1 ms (GDN2) against 4.3–4.9 ms unsplit; ptxas reports 255 registers with
-    100–290 bytes of spills (unsplit: 3–4.4 KB).
+    Peak (persistent + pass 4): 100 024 B (GDN2) / 83 872 B (KDA); Mosaic's count with its
+    alignment: 102 552 B / 89 216 B, so two CTAs share an SM (228 KiB).
 
-    f16 io: the dA/dL tile leaves the persistent scope; in pass 4 dA's f16 staging tile (8 KiB)
-    and then dL hi, dL lo and the bf16 operand scratch (24 KiB) take turns in scopes of their own
-    (peak 107 KiB GDN2; Mosaic's count ≈ 110 740 B GDN2, 97 410 B KDA).
+    f16 io: dA's f16 staging tile (8 KiB) and then dL hi, dL lo and the bf16 operand (24 KiB)
+    take turns in pass 4 (Mosaic's count 110 744 B GDN2, 97 408 B KDA).
     """
     (k_g, v_g, g_g, gr_g, gl_g, be_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g,
      dk_g, dv_g, dg_g, dbe_g, db_g, dwg_g) = _wy_refs(refs, scalar)  # fmt: skip
@@ -314,7 +325,7 @@ def _split_body(*refs, scalar: bool, group: int):
     scaled = dt == jnp.float16  # f16 io: the decayed products in bf16 hi/lo (bwd_decay)
     odt = operand_dtype(dt)
 
-    def outer(a_s, x_s, m_s, vec_s, be_s, bar):
+    def outer(a_s, x_s, vec_s, be_s, bar):
         bars = Bars(bar)
         # A is first needed in pass 2: its load overlaps pass 1
         (a_id,) = bars.load([(a_g.at[b, rows, hv, :], a_s)], wait=False)
@@ -442,21 +453,17 @@ def _split_body(*refs, scalar: bool, group: int):
 
                 # dL = −Aᵀ (dA Aᵀ), strict lower, through the tensor cores as hi + lo (as unsplit)
                 dec = Decay(g_s, gr_s, gl_s, dt)  # [C, 64]: the decays of this K-half only
-                if not scaled:
-                    dL = _neg_inverse_product(dec, m_s, a_s, dA_out)
-                    tail(m_s, None, x_s, dL)
-                    return dA_out
-                # f16: dA's f16 staging tile, then dL hi, lo and the factored-operand scratch
-                # (bf16) take turns in one space (the SMEM of two CTAs per SM)
+                # dA's staging tile, then the decayed products' tiles (dL, f16: dL lo, and the
+                # factored operand) take turns in one space (the SMEM of two CTAs per SM)
                 dL = pl.run_scoped(
                     lambda m_s: _neg_inverse_product(dec, m_s, a_s, dA_out),
                     cp.smem((C, C), dt),
                 )
                 pl.run_scoped(
-                    lambda *tiles: tail(*tiles, dL),
-                    cp.smem((C, C), odt),  # dL hi
-                    cp.smem((C, C), odt),  # dL lo
-                    cp.smem((C, H2), odt),  # factored-operand scratch
+                    lambda dl_s, dll_s, ys_s: tail(dl_s, dll_s, ys_s, dL),
+                    product_smem((C, C), odt),  # dL (hi)
+                    product_smem((C, C), odt) if scaled else None,  # dL lo (f16)
+                    product_smem((C, H2), odt),  # factored operand
                 )
                 return dA_out
 
@@ -486,9 +493,7 @@ def _split_body(*refs, scalar: bool, group: int):
     pl.run_scoped(
         outer,
         cp.smem((C, C), dt),  # A
-        cp.smem((C, HALF), dt),  # operand scratch (dA operands, dv, decay products)
-        # dA, dA Aᵀ (hi, lo), then dL (f16: in the own K-half pass, see k_pass)
-        None if scaled else cp.smem((C, C), dt),
+        cp.smem((C, HALF), dt),  # operand scratch (dA operands, dv)
         cp.smem((C,), f32),  # dβ (KDA)
         cp.smem((C,) if scalar else (8,), f32),  # β (KDA)
         plgpu.Barrier(num_barriers=n_bar),

@@ -16,10 +16,11 @@ f16 with one scale per row (scaled f16 staging). Checked here:
 Tolerance (relative RMS, every output): 2e-3. The kernels' own errors are the f16 roundings of
 the staged states (2^-11 relative per row), of the non-factored f16 operands (bk e^G, w_gate v,
 dA hi/lo) and of the f16 outputs (dq without GVA, dw, dv): 1e-4 … 3e-4 measured on the
-interpreter; the hi/lo products add ~2^-16. A single bf16 rounding of D or of the factored
-operands (the bf16 io kernels, checked at 2e-2 in test_channel_pallas_bwd) is 2^-9 ≈ 2e-3
-relative; staging the factored operands in plain f16 gives inf (asserted in
-:func:`test_inputs_exceed_f16`: they exceed 65504).
+interpreter; the hi/lo products add ~2^-16. A single bf16 rounding of D (the bf16 io kernels,
+checked at 2e-2 in test_channel_pallas_bwd) is 2^-9 ≈ 2e-3 relative; staging the factored
+operands in plain f16 gives inf (asserted in :func:`test_inputs_exceed_f16`: they exceed 65504).
+Per-channel decays that change strongly from one 16-row block to the next
+(:func:`test_interpret_block_decays`) check the products' per-block references and masks.
 """
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ def _hi_lo(x):
     return hi, (x - hi.astype(f32)).astype(f16)
 
 
-def f16_inputs(seed, variant, T, H, HV, K, g_val, *, wide_state=True, big_da=False, V=None):
+def f16_inputs(seed, variant, T, H, HV, K, g_val, *, wide_state=True, big_da=False, V=None,
+               g=None):  # fmt: skip
     """Kernel inputs in f16 io (V = K unless given, one sequence): q, k, v, do, v_new, dv2 hi/lo,
-    A, dw f16; G (chunk-local cumsum of a constant log-decay ``g_val``, or uniform in [−1, 0] for
-    None), gates and the states h, dh f32. ``wide_state``: the state rows are scaled by 2^e, e
-    uniform in [−12, 17] (f16 would overflow and flush them); else N(0, 1) states. ``big_da``:
-    v × 16 and dv2, dw × 2^8, so that bwd_wy's f32 gradient dA exceeds f16's range (its outputs
-    stay inside).
+    A, dw f16; G (chunk-local cumsum of the log-decays ``g`` [1, T, HV, K] if given, else of a
+    constant log-decay ``g_val``, or uniform in [−1, 0] for None), gates and the states h, dh
+    f32. ``wide_state``: the state rows are scaled by 2^e, e uniform in [−12, 17] (f16 would
+    overflow and flush them); else N(0, 1) states. ``big_da``: v × 16 and dv2, dw × 2^8, so that
+    bwd_wy's f32 gradient dA exceeds f16's range (its outputs stay inside).
 
     Returns the dict :func:`_kernel_refs` reads (its bwd_dh part gets zero placeholders) and
     ``out`` with dh, dv2 hi/lo and dw."""
@@ -73,7 +75,8 @@ def f16_inputs(seed, variant, T, H, HV, K, g_val, *, wide_state=True, big_da=Fal
     q = arr(nrm(r.standard_normal((N, T, H, K))))
     k = arr(nrm(r.standard_normal((N, T, H, K))))
     v = arr((16.0 if big_da else 1.0) * r.standard_normal((N, T, HV, V)))
-    g = r.uniform(-1, 0, (N, T, HV, K)) if g_val is None else np.full((N, T, HV, K), g_val)
+    if g is None:
+        g = r.uniform(-1, 0, (N, T, HV, K)) if g_val is None else np.full((N, T, HV, K), g_val)
     G = cpm._cumsum(jnp.asarray(g, f32))
     gr, gl = reference_rows(G)
     if variant == "kda":
@@ -116,15 +119,15 @@ def f16_inputs(seed, variant, T, H, HV, K, g_val, *, wide_state=True, big_da=Fal
 
 
 def factored_max(G) -> float:
-    """The largest decay factor the staged operands carry: e^{r_I − G_j} (rows j ≤ last(I), the
-    "rows" product) and e^{G_i − r_{I(i)}} (the "cols" product), r_I = G at row 16 I + 8."""
+    """The largest decay factor the staged operands carry: e^{r_I − G_j} (the "rows" product)
+    and e^{G_j − r_I} (the "cols" product) for rows j of block I, r_I = G at row 16 I + 8."""
     N, T, HV, K = G.shape
     Gc = np.asarray(G, np.float64).reshape(N, T // 64, 64, HV, K)
     m = 0.0
     for i in range(4):
         ref = Gc[:, :, 16 * i + 8][:, :, None]
-        m = max(m, float(np.exp(ref - Gc[:, :, : 16 * (i + 1)]).max()))
-        m = max(m, float(np.exp(Gc[:, :, 16 * i : 16 * (i + 1)] - ref).max()))
+        blk = Gc[:, :, 16 * i : 16 * (i + 1)]
+        m = max(m, float(np.exp(ref - blk).max()), float(np.exp(blk - ref).max()))
     return m
 
 
@@ -229,6 +232,21 @@ def test_interpret_dqkw_ksplit_k128(HV, g_val, wide, V):
 def test_interpret_wy_k64(variant, HV, g_val):
     x, out = f16_inputs(3, variant, 128, 1, HV, 64, g_val)
     run_interpreted(lambda: check_wy(x, out, k_split=False, jit=False))
+
+
+@pytest.mark.parametrize("variant,K,k_split", [("kda", 64, False), ("gdn2", 128, True)])
+def test_interpret_block_decays(variant, K, k_split):
+    """Per-channel log-decays that change strongly from one 16-row block to the next, down to
+    the clamp (:func:`test_channel_pallas_bwd.block_decays`): the decayed products' per-block
+    references and masks, with D and the factored operands as bf16 hi/lo pairs."""
+    from test_channel_pallas_bwd import block_decays
+
+    T = 128 if K == 64 else 64
+    g = block_decays(1, T, 1, K)
+    x, out = f16_inputs(8, variant, T, 1, 1, K, None, wide_state=False, g=g)
+    assert factored_max(x["G"]) > F16_MAX
+    run_interpreted(lambda: check_dqkw(x, out, k_split=k_split, jit=False))
+    run_interpreted(lambda: check_wy(x, out, k_split=k_split, jit=False))
 
 
 @pytest.mark.parametrize(

@@ -34,14 +34,18 @@ CORE_NAMES = ("dq", "dk", "dv", "dG", "db", "dw", "dh0")
 f32 = jnp.float32
 
 
-def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0):
-    """Residuals and cotangents of the core on padded lanes (T % 64 == 0), l2-normalised q/k."""
+def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0, g=None):
+    """Residuals and cotangents of the core on padded lanes (T % 64 == 0), l2-normalised q/k.
+    Log-decays per token: ``g`` ([N, T, HV, K]) if given, else ``g_val`` everywhere, else uniform
+    in [−gate_scale, 0]."""
     r = np.random.default_rng(seed)
     nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
     q = jnp.asarray(nrm(r.standard_normal((N, T, H, K))), jnp.bfloat16)
     k = jnp.asarray(nrm(r.standard_normal((N, T, H, K))), jnp.bfloat16)
     v = jnp.asarray(r.standard_normal((N, T, HV, K)), jnp.bfloat16)
-    if g_val is None:
+    if g is not None:
+        pass
+    elif g_val is None:
         g = -gate_scale * r.uniform(0, 1, (N, T, HV, K))
     else:
         g = np.full((N, T, HV, K), g_val)
@@ -319,9 +323,10 @@ def _unchunk(x, N, T, HV):
     return x.reshape(N, T // 64, HV, 64, D).transpose(0, 1, 3, 2, 4).reshape(N, T, HV, D)
 
 
-def _kernel_inputs(seed, variant, N, T, H, HV, K):
-    """Realistic kernel inputs: the forward's intermediates recomputed by the kernels themselves."""
-    cfg, (q, k, v, G, b, w, h0), (do, dht) = core_case(seed, variant, N, T, H, HV, K)
+def _kernel_inputs(seed, variant, N, T, H, HV, K, g=None):
+    """Realistic kernel inputs: the forward's intermediates recomputed by the kernels themselves
+    (``g``: the log-decays, as for :func:`core_case`)."""
+    cfg, (q, k, v, G, b, w, h0), (do, dht) = core_case(seed, variant, N, T, H, HV, K, g=g)
     from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
     from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
 
@@ -346,8 +351,9 @@ def _rep(x, HV):  # GVA: q/k heads repeated to the value heads
     return jnp.repeat(x, HV // x.shape[2], axis=2)
 
 
-def _kernel_outputs(x, scale):
-    """bwd_dh, then bwd_dqkw on its dh/dv2, then bwd_wy on their dw/dv2."""
+def _kernel_outputs(x, scale, k_split=False):
+    """bwd_dh, then bwd_dqkw on its dh/dv2, then bwd_wy on their dw/dv2 (``k_split``: the K-split
+    forms of both, K = 128)."""
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.channel.bwd_dh import channel_bwd_dh
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
@@ -359,11 +365,11 @@ def _kernel_outputs(x, scale):
     )  # fmt: skip
     dq, dk, dwk, dG = channel_bwd_dqkw(
         x["q"], x["k"], x["G"], x["gr"], x["gl"], x["h"], dh, x["vn"], x["do"], dvh, dvl,
-        scale=scale,
+        scale=scale, k_split=k_split,
     )  # fmt: skip
     wy = channel_bwd_wy(
         x["k"], x["v"], x["G"], x["gr"], x["gl"], x["bk"], x["w"], x["A"], dwk, dvh, dvl,
-        ChannelBwdWyConfig(scalar_beta=x["w"] is None),
+        ChannelBwdWyConfig(scalar_beta=x["w"] is None, k_split=k_split),
     )  # fmt: skip
     return dict(dh=dh, dvh=dvh, dvl=dvl, dh0=dh0, dq=dq, dk=dk, dwk=dwk, dG=dG, wy=wy)
 
@@ -450,11 +456,11 @@ def kernel_refs(x, out, scale, *, jit=True):
     return cached_jit(_kernel_refs, reference=True, scale=scale)(x, out)
 
 
-def check_kernels(x, *, tol=2e-2, jit=True):
+def check_kernels(x, *, tol=2e-2, jit=True, k_split=False):
     """Runs bwd_dh, bwd_dqkw, bwd_wy on ``x`` and compares each output with its formula."""
     x = dict(x)
     scale = x.pop("cfg").scale
-    out = _kernel_outputs(x, scale)
+    out = _kernel_outputs(x, scale, k_split)
     ref = kernel_refs(x, out, scale, jit=jit)
     wy = out["wy"]
     got = dict(dh=out["dh"], dv2=out["dvh"].astype(f32) + out["dvl"].astype(f32), dh0=out["dh0"],
@@ -480,6 +486,29 @@ def test_interpret_kernels(variant):
     with pk.use_mode("interpret"):
         x = run_interpreted(lambda: _kernel_inputs(1, variant, 1, 128, 1, 2, 64))
         run_interpreted(lambda: check_kernels(x, jit=False))
+
+
+def block_decays(N, T, HV, K):
+    """Log-decays per token that differ strongly between the 16-row blocks of a chunk and between
+    key channels: channel d decays by −[0, 0.05, 0.5, 10][(t // 16 + d) % 4] at token t (10: the
+    op's clamp), [N, T, HV, K]."""
+    t, d = np.arange(T)[:, None], np.arange(K)[None, :]
+    g = -np.array([0.0, 0.05, 0.5, 10.0])[(t // 16 + d) % 4]
+    return np.broadcast_to(g[None, :, None, :], (N, T, HV, K)).copy()
+
+
+@pytest.mark.parametrize(
+    "variant,K,k_split", [("gdn2", 64, False), ("kda", 64, False), ("gdn2", 128, True)]
+)
+def test_interpret_kernels_block_decays(variant, K, k_split):
+    """The decayed products factor e^{G_i − G_j} around one reference row per 16-row block, with
+    the rows outside a block's triangle masked: per-channel decays that change from block to
+    block (down to the clamp, where an unmasked factor overflows) catch a wrong reference or
+    mask. K = 128 with k_split: the K-split dq/dk/dw and WY kernels."""
+    with pk.use_mode("interpret"):
+        g = block_decays(1, 128, 2, K)
+        x = run_interpreted(lambda: _kernel_inputs(5, variant, 1, 128, 1, 2, K, g=g))
+        run_interpreted(lambda: check_kernels(x, jit=False, k_split=k_split))
 
 
 @pytest.mark.gpu
