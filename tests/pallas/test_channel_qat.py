@@ -171,6 +171,14 @@ def test_interpret_k128_with_qat(variant, name, K, V):
     run_interpreted(lambda: check_qat_2x(variant, x, cu, cts, CONFIGS[name]))
 
 
+@pytest.mark.parametrize("variant,name", [("gdn2", "column_row"), ("kda", "matrix_tile")])
+def test_interpret_f16_with_qat(variant, name):
+    """f16 io: the quantised state staged with per-column scales, h stored in f32; budget the xla
+    path in f16 (V = 64: 'matrix' is served)."""
+    x, cu, cts = channel_case(2, variant, 1, 100, 1, 2, 64, 64, gate_scale=0.05)
+    run_interpreted(lambda: check_qat_2x(variant, x, cu, cts, CONFIGS[name], f16))
+
+
 def test_interpret_qat_none_is_bitwise_the_plain_kernels():
     x, _, _ = channel_case(1, "kda", 1, 64, 1, 1, 64, 64)
     args = [x[n].astype(bf16) for n in ("q", "k", "v")] + [x["g"], x["beta"]]
