@@ -141,14 +141,6 @@ def _pallas_sees_layout(*arrays) -> None:
         raise NotImplementedError(why)
 
 
-def _pallas_has_no_qat(qat) -> None:
-    """The KDA/GDN2 Pallas kernels have no fused QAT (GDN's do): xla serves those calls."""
-    if qat is not None:
-        raise NotImplementedError(
-            "the KDA/GDN2 Pallas kernels do not fuse QAT fake quantisation yet"
-        )
-
-
 def _prepare(q, k, v, g, heads, cols, *, scale, cu_seqlens):
     """Value checks and sanitisation shared by the chunked ops and the decode steps.
 
@@ -284,12 +276,11 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
         )  # fmt: skip
 
     def run_pallas(fn):
-        _pallas_has_no_qat(qat)
         _pallas_sees_layout(q, k, v, g, b, w, initial_state)
         return fn(
             q, k, v, g, b, w, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
 
     o, final = _run(

@@ -19,6 +19,13 @@ spread) and the f32 state and its gradient as f16 with one scale per row or colu
 kernels do). H200 tests, K = V and K ≠ V: forward and every gradient within 2x of the f16
 recurrence's error, log-decay −5 per token included.
 
+QAT (``qat``, a :class:`gdn_jax.qat.QATConfig`): fused as in the GDN kernels. The intra kernel
+fake-quantises w before storing it and the state loop the state entering each chunk, in the
+forward and in the backward's recomputation of h (the same plan), so every backward kernel reads
+the quantised w and h the forward used; the fake quant's gradient is the identity, so the
+backward kernels themselves are unchanged (as the xla path's backward). Combinations the kernels
+do not fuse raise NotImplementedError (:func:`pallas_kernels.channel.plan.check_supported`).
+
 Which form of each kernel stage runs (split intra, K-split backward kernels, ...) is decided by
 one plan per call, :func:`pallas_kernels.channel.plan.channel_plan` (its docstring gives the
 table and the reasons); whether the kernels serve a call at all by
@@ -77,11 +84,12 @@ from gdn_jax.ops._gdn_pallas import (
     padded_lanes,
     wipe_first_tokens,
 )
+from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, l2norm
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
-from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
+from pallas_kernels.channel.chunk_fwd import channel_chunk_fwd
 from pallas_kernels.channel.intra import channel_intra
 from pallas_kernels.channel.plan import ChannelPlan, channel_plan, check_supported
 
@@ -92,7 +100,7 @@ f32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class ChannelConfig(CoreConfig):
-    """Configuration of the GDN2/KDA core: :class:`CoreConfig` plus
+    """Configuration of the GDN2/KDA core: :class:`CoreConfig` (scale, execution mode, QAT) plus
 
     Attributes:
       scalar_beta: KDA form (b = w = β per token, b given as [N, Tp, HV], w None).
@@ -130,7 +138,15 @@ def core_plan(cfg: ChannelConfig, q: jax.Array, v: jax.Array, *, store_a: bool) 
     (:func:`pallas_kernels.channel.plan.channel_plan`); ``store_a``: a differentiated forward,
     whose plan the backward runs too."""
     K, V = q.shape[-1], v.shape[-1]
-    return channel_plan(q.dtype, K, V, scalar_beta=cfg.scalar_beta, store_a=store_a)
+    return channel_plan(
+        q.dtype,
+        K,
+        V,
+        scalar_beta=cfg.scalar_beta,
+        store_a=store_a,
+        state_quant=cfg.state_quant,
+        w_quant=cfg.w_quant,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -143,7 +159,7 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta
         products = channel_intra(q, k, v, G, bk, w, plan.intra_config())
         qg, kg, wk, u, aqk = products[:5]
         o, ht = channel_chunk_fwd(
-            qg, kg, wk, u, aqk, decay_last(G), h0, ChannelFwdConfig(scale=cfg.scale), meta
+            qg, kg, wk, u, aqk, decay_last(G), h0, plan.fwd_config(cfg.scale), meta
         )
     return o, ht, (products if with_products else None)
 
@@ -172,7 +188,7 @@ def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
     else:
         bc, wc = ch(b), ch(w)
     layout = chunk_layout(N, Tp, CHUNK, None)
-    xcfg = _xla.ChunkConfig(scale=cfg.scale, dtype=jnp.dtype(v.dtype).name)
+    xcfg = _xla.ChunkConfig(scale=cfg.scale, dtype=jnp.dtype(v.dtype).name, qat=cfg.qat)
     o, ht = _xla.chunked_core(xcfg, qc, kc, ch(v), gc, bc, wc, h0, layout)
     return o.reshape(N, Tp, HV, V), ht
 
@@ -242,6 +258,7 @@ def channel_pallas(
     use_qk_l2norm: bool,
     cu_seqlens: jax.Array | None,
     chunk_size: int,
+    qat: QATConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """GDN2 / KDA on the Mosaic GPU kernels; inputs already validated by the public op.
 
@@ -252,12 +269,24 @@ def channel_pallas(
       w: [B, T, HV, V] f32 write gate, or [B, T, HV, 1] (KDA's β).
       scale, initial_state ([N, HV, K, V] f32 or None), output_final_state, use_qk_l2norm,
       cu_seqlens ([N + 1] int32, B == 1), chunk_size (64): as the public ops.
+      qat: optional FP8 fake quantisation of w and the chunk-entering states (fused).
     Returns:
       (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] f32 or None).
     Raises:
-      NotImplementedError: dtype/head size/chunk size/platform not served by these kernels.
+      NotImplementedError: dtype/head size/chunk size/QAT/platform not served by these kernels.
     """
-    check_supported(q.dtype, q.shape[-1], v.shape[-1], chunk_size)
+    if qat is not None and qat.fmt != "e4m3":
+        raise NotImplementedError(f"{qat.fmt=}: the Pallas kernels fuse only the e4m3 fake quant")
+    cfg = ChannelConfig(scale=float(scale), mode=pk.execution_mode(), qat=qat)
+    packed_states = cu_seqlens is not None and (initial_state is not None or output_final_state)
+    check_supported(
+        q.dtype,
+        q.shape[-1],
+        v.shape[-1],
+        chunk_size,
+        state_quant=cfg.state_quant,
+        packed_states=packed_states,
+    )
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scalar = b.shape[-1] == 1 and w.shape[-1] == 1
@@ -270,7 +299,7 @@ def channel_pallas(
     # reference row 8 tokens away at most, so |exponent| <= 80 < log(f32 max) always holds; the
     # clamp changes the state by at most e^{-10} ≈ 4.5e-5 of its size, below bf16 resolution
     g = jnp.maximum(jnp.broadcast_to(g, (B, T, HV, K)).astype(f32), MIN_LOG_DECAY)
-    cfg = ChannelConfig(scale=float(scale), scalar_beta=scalar, mode=pk.execution_mode())
+    cfg = dataclasses.replace(cfg, scalar_beta=scalar)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     xs = [q, k, v, g, b] + ([] if scalar else [w])

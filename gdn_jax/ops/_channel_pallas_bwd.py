@@ -4,7 +4,7 @@ Called by :func:`gdn_jax.ops._channel_pallas._backward` with the core's residual
 padded lanes and the forward intra kernel's products qg, kg, w, u, Aqk, A, see that module's
 docstring) and cotangents. Four launches plus small XLA glue:
 
-1. recompute h (state entering each chunk) and v_new
+1. recompute h (state entering each chunk, QAT-quantised as in the forward) and v_new
                                             :func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd`
 2. reverse state-gradient loop: dh per chunk, dv2 = dL/dv_new, dh0
                                             :func:`pallas_kernels.channel.bwd_dh.channel_bwd_dh`
@@ -30,7 +30,7 @@ from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
 from pallas_kernels.channel.bwd_wy import channel_bwd_wy
-from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
+from pallas_kernels.channel.chunk_fwd import channel_chunk_fwd
 from pallas_kernels.channel.intra import reference_rows
 from pallas_kernels.channel.plan import ChannelPlan
 
@@ -64,8 +64,8 @@ def channel_backward_pallas(
       w: GDN2: [N, T, HV, V] f32 write gate; KDA: None.
       h0: [N, HV, K, V] f32 initial state ([S, HV, K, V], one per sequence, with ``meta``).
       products: the forward intra kernel's ``(qg, kg, wk, u, Aqk, A)``
-        (:func:`pallas_kernels.channel.intra.channel_intra` with ``store_a``): [N, T, HV, K] ×3,
-        [N, T, HV, V], [N, T, HV, 64] ×2, io dtype.
+        (:func:`pallas_kernels.channel.intra.channel_intra` with ``store_a``; wk fake-quantised
+        when the plan quantises w): [N, T, HV, K] ×3, [N, T, HV, V], [N, T, HV, 64] ×2, io dtype.
       do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state
         ([S, HV, K, V] with ``meta``).
       meta: packed sequences on one lane (N == 1): the chunk loops' [T/64, META_COLS] int32
@@ -91,8 +91,9 @@ def channel_backward_pallas(
     bk = b.transpose(0, 2, 1) if scalar else b  # KDA: β as [N, HV, T] (TMA unit stride)
 
     qg, kg, wk, u, aqk, A = products
+    # the forward's state loop (block_v, QAT state quant): h is the state the forward used
     h, vn = channel_chunk_fwd(
-        None, kg, wk, u, None, egl, h0, ChannelFwdConfig(scale=scale, store_h=True), meta
+        None, kg, wk, u, None, egl, h0, plan.fwd_config(scale, store_h=True), meta
     )
     dh, dvh, dvl, dh0 = channel_bwd_dh(qg, kg, wk, do, aqk, egl, dht, LoopConfig(scale=scale), meta)
     if meta is not None:  # rows of sequences without chunks were never written

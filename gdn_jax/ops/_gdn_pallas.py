@@ -64,47 +64,27 @@ class CoreConfig:
     Attributes:
       scale: query scale.
       mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
+      qat: optional QAT fake quantisation, fused into the kernels: w in the intra kernel, the
+        chunk-entering state in the chunk loop (forward and the backward's recomputation, so the
+        backward sees exactly the quantised values of the forward; gradients pass straight
+        through, as in the xla path).
     """
 
     scale: float
     mode: str = "auto"
+    qat: QATConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.scale, float):
             raise TypeError(f"{self.scale=} must be a Python float")
         if self.mode not in ("auto", "gpu", "interpret"):
             raise ValueError(f"{self.mode=} must be 'auto', 'gpu' or 'interpret'")
+        if self.qat is not None and not isinstance(self.qat, QATConfig):
+            raise TypeError(f"{self.qat=} must be a gdn_jax.qat.QATConfig or None")
 
     def kernels(self):
         """Context that makes the kernels traced inside it use the configured execution mode."""
         return pk.use_mode(self.mode)
-
-
-@dataclasses.dataclass(frozen=True)
-class PallasConfig(CoreConfig):
-    """Configuration of the GDN core: :class:`CoreConfig` plus
-
-    Attributes:
-      qat: optional QAT fake quantisation, fused into the kernels: w in the intra kernel, the
-        chunk-entering state in the chunk loop (forward and the backward's recomputation, so the
-        backward sees exactly the quantised values of the forward; gradients pass straight
-        through, as in the xla path).
-      segments: the chunk loops cut every lane into this many segments that run in parallel
-        (:mod:`gdn_jax.ops._segments`); 1: the unsplit loops. The core's lane length must be a
-        multiple of 64 · segments.
-    """
-
-    qat: QATConfig | None = None
-    segments: int = 1
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.qat is not None and not isinstance(self.qat, QATConfig):
-            raise TypeError(f"{self.qat=} must be a gdn_jax.qat.QATConfig or None")
-        if not isinstance(self.segments, int) or self.segments < 1:
-            raise ValueError(f"{self.segments=} must be an int >= 1")
-        if self.segments > 1 and self.state_quant is not None:
-            raise NotImplementedError("segments > 1 with the QAT state quant (not an affine map)")
 
     @property
     def w_quant(self) -> str | None:
@@ -117,6 +97,26 @@ class PallasConfig(CoreConfig):
         """Granularity of the state fake quant in the chunk loop (None: off)."""
         q = self.qat
         return q.state_granularity if q is not None and "state" in q.sites else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasConfig(CoreConfig):
+    """Configuration of the GDN core: :class:`CoreConfig` plus
+
+    Attributes:
+      segments: the chunk loops cut every lane into this many segments that run in parallel
+        (:mod:`gdn_jax.ops._segments`); 1: the unsplit loops. The core's lane length must be a
+        multiple of 64 · segments.
+    """
+
+    segments: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.segments, int) or self.segments < 1:
+            raise ValueError(f"{self.segments=} must be an int >= 1")
+        if self.segments > 1 and self.state_quant is not None:
+            raise NotImplementedError("segments > 1 with the QAT state quant (not an affine map)")
 
     def fwd_config(self, V: int, **kw) -> ChunkFwdConfig:
         """The chunk loop's config; a 'matrix' state scale needs the whole state in one CTA."""

@@ -15,6 +15,14 @@ writes the state entering each chunk (h) and v_new instead of o: the backward's 
 Padded rows (zero qg, kg, w, u and Aqk rows/columns) leave S unchanged; e^{G_last} must be the
 decay at the chunk's last valid row (padded rows repeat it).
 
+QAT (``state_quant``): the state entering each chunk (after a packed sequence's h0 is loaded) is
+fake-quantised to FP8-E4M3 in registers (:func:`pallas_kernels.gdn.fake_quant.fake_quant_e4m3`,
+one scale per V column or one per K×V state), and that quantised state is the one the chunk's
+products, its decayed update and, with ``store_h``, the stored h use (as in the xla path and
+:mod:`pallas_kernels.gdn.chunk_fwd`). A per-state scale needs the whole state in one CTA
+(``block_v == V``). As with f16, the forward then has a single o tile, so that K = block_v = 128
+fits with the reductions' SMEM; ``store_h`` allocates no o tiles in any mode.
+
 Packed sequences on one lane (``meta``, as in :mod:`pallas_kernels.gdn.chunk_fwd`): each sequence
 starts at a chunk boundary and a per-chunk table, read from SMEM as scalars, names the sequence
 whose first chunk this is (the state is set to its h0 row, TMA-loaded into a staging tile under a
@@ -52,7 +60,7 @@ from pallas_kernels._tiles import (
     store_final_state,
     v_block_coords,
 )
-from pallas_kernels.gdn.fake_quant import stage_columns
+from pallas_kernels.gdn.fake_quant import STATE_QUANT, fake_quant_e4m3, stage_columns
 
 f32 = jnp.float32
 
@@ -64,14 +72,20 @@ class ChannelFwdConfig(LoopConfig):
 
     Attributes:
       store_h: backward recomputation mode: write h and v_new instead of o and the final state.
+      state_quant: QAT fake quantisation (FP8-E4M3, dynamic scale) of the state entering each
+        chunk: ``None`` (off), ``"column"`` (one scale per V column, amax over K) or
+        ``"matrix"`` (one per K×V state; needs ``block_v == V``).
     """
 
     store_h: bool = False
+    state_quant: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.store_h, bool):
             raise TypeError(f"{self.store_h=} must be a bool")
+        if self.state_quant is not None and self.state_quant not in STATE_QUANT:
+            raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
 
 
 def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int, packed: bool):
@@ -92,8 +106,10 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int, packed: bool):
     # f16 io: the state is staged with one scale per column (its range is kept) and the backward's
     # h is written in f32 (docs/design.md: never stage the state through plain f16)
     scaled = dt == jnp.float16
-    # f16 forward: one o tile, so that K = block_v = 128 fits in SMEM with the scale reductions
-    o_single = scaled and not store_h
+    # a forward with in-register reductions of the state (f16's staging scales, the QAT amax) has
+    # one o tile, so that K = block_v = 128 fits in SMEM with the reductions' scratch
+    o_single = not store_h and (scaled or cfg.state_quant is not None)
+    has_buf = scaled or not store_h  # bf16 store_h uses neither o tiles nor f32 h tiles
 
     def load_h0(h0_s, bar):
         plgpu.copy_gmem_to_smem(h0_g.at[b, hv, :, cols], h0_s, bar)
@@ -105,9 +121,11 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int, packed: bool):
     else:
         S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
 
-    def scoped(s_s, vn_s, buf, *stage):
-        # buf: the o tiles (two slots; one with f16), or with f16 store_h the two f32 h tiles;
-        # stage (packed): the h0 / final-state tile [K, BV] f32 and its barrier
+    def scoped(s_s, vn_s, *rest):
+        # buf: the o tiles (two slots; one with o_single), or with f16 store_h the two f32 h
+        # tiles (none with bf16 store_h); stage (packed): the h0 / final-state tile [K, BV] f32
+        # and its barrier
+        buf, stage = (rest[0], rest[1:]) if has_buf else (None, rest)
         hf_s = buf if store_h and scaled else None
         st_s, st_bar = stage if packed else (None, None)
 
@@ -123,6 +141,10 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int, packed: bool):
             if packed:  # packed sequences on one lane: a sequence's first chunk loads its h0
                 reset, fin = m_s[0], m_s[1]
                 S = load_state_row(reset, h0_g, hv, cols, st_s, st_bar, S)
+            if cfg.state_quant is not None:
+                # QAT: the carry becomes the quantised state, which the products, the decayed
+                # update and the stored h below all use
+                S = fake_quant_e4m3(S, STATE_QUANT[cfg.state_quant])
             # the stores issued two steps ago (same slot) must have finished reading SMEM
             # (f16 forward: the single o tile, so step c-1's o store too)
             plgpu.wait_smem_to_gmem(0 if o_single else n_groups, wait_read_only=True)
@@ -181,12 +203,12 @@ def _fwd_body(*refs, cfg: ChannelFwdConfig, nt: int, packed: bool):
     nbuf = 2 if store_h else 1
     s_shape = (nbuf, K, BV) if store_h and not scaled else (K, BV)
     vn_shape = (nbuf, C, BV) if store_h else (C, BV)
-    if store_h and scaled:  # h in f32, one tile per TMA store slot (the o tiles are not used)
-        buf = cp.smem((2, K, BV), f32)
+    if store_h:  # f16: h in f32, one tile per TMA store slot (no o tiles either way)
+        buf = (cp.smem((2, K, BV), f32),) if scaled else ()
     else:
-        buf = cp.smem((C, BV) if o_single else (2, C, BV), dt)
+        buf = (cp.smem((C, BV) if o_single else (2, C, BV), dt),)
     stage = (cp.smem((K, BV), f32), plgpu.Barrier()) if packed else ()
-    S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), buf, *stage)
+    S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), *buf, *stage)
     if not store_h and not packed:
         store_f32_tile(S, ht_g.at[b, hv, :, cols])
 
@@ -223,7 +245,8 @@ def channel_chunk_fwd(
     Raises:
       NotImplementedError: f16 io with ``store_h`` at K = block_v = 128 (the f32 h tiles do not
         fit in shared memory; block_v = 64 does); ``meta`` with block_v = 128 (no shared memory
-        for the state staging tile).
+        for the state staging tile); ``state_quant="matrix"`` with block_v < V (the state's
+        scale needs all of it in one CTA).
     """
     B, T, HV, K = kg.shape
     V = u.shape[3]
@@ -234,6 +257,11 @@ def channel_chunk_fwd(
         raise NotImplementedError(
             f"f16 store_h with K={K}, block_v={config.block_v}: the two f32 [K, block_v] h tiles "
             "do not fit in shared memory; use block_v=64"
+        )
+    if config.state_quant == "matrix" and config.block_v != V:
+        raise NotImplementedError(
+            f"{u.shape=}, block_v={config.block_v}: QAT state granularity 'matrix' needs the "
+            "whole state in one CTA (block_v == V)"
         )
     nt = T // CHUNK
     if config.segments != 1:

@@ -31,6 +31,11 @@ Both CTAs contract over K in 64-column passes (K/64 of them; w leaves in K/64 an
 column blocks), so only [64, 64] f32 register tiles are live and a CTA needs under half an SM's
 shared memory: two CTAs share an SM. K, V ∈ {64, 128}.
 
+QAT (``w_quant``): w is fake-quantised to FP8-E4M3 in registers before it is stored
+(:func:`pallas_kernels.gdn.fake_quant.fake_quant_e4m3_tiles` over its K/64 column blocks: one
+scale per row or per [C, K] tile), so every later kernel reads the quantised w, as the GDN intra
+kernel does.
+
 Precision: K-contractions, A and every accumulation in f32; wgmma operands (the factored k, q,
 A, the gated v) are 16-bit. Outputs are stored in the io dtype.
 
@@ -69,6 +74,7 @@ from pallas_kernels.channel.bwd_decay import (
     decay_copies,
     decay_smem,
 )
+from pallas_kernels.gdn.fake_quant import W_QUANT, fake_quant_e4m3_tiles
 
 MID = SUB // 2  # reference row inside each sub-chunk
 f32 = jnp.float32
@@ -91,15 +97,20 @@ class ChannelIntraConfig:
       scalar_beta: KDA: the erase and write gates are one β per (token, value head), given as
         [B, HV, T]; otherwise (GDN2) b [B, T, HV, K] and w_gate [B, T, HV, V].
       store_a: also write A (16-bit) for the backward.
+      w_quant: QAT fake quantisation (FP8-E4M3, dynamic scale) of w: ``None`` (off), ``"row"``
+        (one scale per token row, amax over K) or ``"tile"`` (one per chunk and value head).
     """
 
     scalar_beta: bool = False
     store_a: bool = False
+    w_quant: str | None = None
 
     def __post_init__(self):
         for name in ("scalar_beta", "store_a"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ChannelIntraConfig.{name}={getattr(self, name)!r} must be a bool")
+        if self.w_quant is not None and self.w_quant not in W_QUANT:
+            raise ValueError(f"{self.w_quant=} must be None or one of {tuple(W_QUANT)}")
 
 
 def _intra_refs(refs, cfg: ChannelIntraConfig) -> tuple:
@@ -342,8 +353,16 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(s, dst)
 
-                for p in range(kpass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
-                    put(cp.matmul(oy_s, wop_s[p], (C, H2)), w_g.at[b, rows, hv, cols(p)])
+                w_op = lambda p: cp.matmul(oy_s, wop_s[p], (C, H2))  # noqa: E731
+                if cfg.w_quant is None:
+                    for p in range(kpass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
+                        put(w_op(p), w_g.at[b, rows, hv, cols(p)])
+                else:  # QAT: a row's (the tile's) amax spans every K-half: form all, then quantise
+                    ws = fake_quant_e4m3_tiles(
+                        tuple(w_op(p) for p in range(kpass)), W_QUANT[cfg.w_quant]
+                    )
+                    for p in range(kpass):
+                        put(ws[p], w_g.at[b, rows, hv, cols(p)])
                 bars.wait(v_ids + wg_ids)
                 for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
                     if not scalar:  # in place: each thread rewrites the elements it read

@@ -1,10 +1,10 @@
 """Which form of each channel-decay (KDA / GDN2) kernel stage serves a call: one plan per call.
 
-:func:`channel_plan` maps (io dtype, K, V, KDA or GDN2, whether the forward stores A) to the form
-of every stage that has more than one, and :func:`check_supported` says whether the channel
-kernels serve a call at all. The glue (:mod:`gdn_jax.ops._channel_pallas` for the forward,
-:mod:`gdn_jax.ops._channel_pallas_bwd` for the backward) takes its forms from the plan and from
-nowhere else.
+:func:`channel_plan` maps (io dtype, K, V, KDA or GDN2, whether the forward stores A, the QAT
+granularities) to the form of every stage that has more than one, and :func:`check_supported`
+says whether the channel kernels serve a call at all. The glue
+(:mod:`gdn_jax.ops._channel_pallas` for the forward, :mod:`gdn_jax.ops._channel_pallas_bwd` for
+the backward) takes its forms from the plan and from nowhere else.
 
 Forms (``f16``: f16 io; K, V ∈ {64, 128}):
 
@@ -15,6 +15,16 @@ Forms (``f16``: f16 io; K, V ∈ {64, 128}):
   for f16 at K = 64; ``"one_cta"`` otherwise (bf16 at K = 64, or K = 128 with V = 64).
 - WY backward: K-split (two CTAs, one per half of K; ``ChannelBwdWyConfig.k_split``) at K = 128
   when V = 128 or f16; else one CTA.
+- state loop (forward and the backward's recomputation of h): 64 value columns per CTA
+  (``ChannelPlan.block_v``), all V with the QAT state granularity ``"matrix"``.
+
+QAT (``state_quant`` / ``w_quant``, the granularities of ``gdn_jax.qat.QATConfig`` whose sites are
+on): w is fake-quantised in the intra kernel, the chunk-entering state in the state loop; no other
+kernel changes (the gradient is straight-through and the backward reads the quantised w and h).
+Refused (:func:`check_supported`), with the state granularity ``"matrix"`` at V = 128: f16 (a
+whole-state CTA has no shared memory for f16's f32 h tiles), and packed sequences with initial or
+final states (no shared memory for the per-sequence state staging at ``block_v = 128``; one lane
+per sequence would quantise the state again in every padding chunk after a short sequence).
 
 Reasons:
 
@@ -44,7 +54,9 @@ import jax.numpy as jnp
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
 from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig
+from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig
 from pallas_kernels.channel.intra import ChannelIntraConfig
+from pallas_kernels.gdn.fake_quant import STATE_QUANT, W_QUANT
 
 __all__ = ["DQKW_FORMS", "ChannelPlan", "channel_plan", "check_supported"]
 
@@ -63,12 +75,18 @@ class ChannelPlan:
       store_a: the forward's intra kernel stores A (a differentiated forward).
       dqkw: the dq/dk/dw kernel's form, one of :data:`DQKW_FORMS`.
       wy_split: the WY backward's K-split form (``ChannelBwdWyConfig.k_split``).
+      block_v: value columns per CTA of the state loop (64, or V with a per-matrix state scale).
+      state_quant: QAT granularity of the chunk-entering state (None: off).
+      w_quant: QAT granularity of w (None: off).
     """
 
     scalar_beta: bool
     store_a: bool
     dqkw: str
     wy_split: bool
+    block_v: int = 64
+    state_quant: str | None = None
+    w_quant: str | None = None
 
     def __post_init__(self):
         for name in ("scalar_beta", "store_a", "wy_split"):
@@ -76,10 +94,24 @@ class ChannelPlan:
                 raise TypeError(f"ChannelPlan.{name}={getattr(self, name)!r} must be a bool")
         if self.dqkw not in DQKW_FORMS:
             raise ValueError(f"ChannelPlan.dqkw={self.dqkw!r} must be one of {DQKW_FORMS}")
+        if self.state_quant is not None and self.state_quant not in STATE_QUANT:
+            raise ValueError(f"ChannelPlan.state_quant={self.state_quant!r}")
+        if self.w_quant is not None and self.w_quant not in W_QUANT:
+            raise ValueError(f"ChannelPlan.w_quant={self.w_quant!r}")
 
     def intra_config(self) -> ChannelIntraConfig:
         """The intra kernel's configuration."""
-        return ChannelIntraConfig(scalar_beta=self.scalar_beta, store_a=self.store_a)
+        return ChannelIntraConfig(
+            scalar_beta=self.scalar_beta, store_a=self.store_a, w_quant=self.w_quant
+        )
+
+    def fwd_config(self, scale: float, *, store_h: bool = False) -> ChannelFwdConfig:
+        """The state loop's configuration: the forward's, or with ``store_h`` the backward's
+        recomputation of h (the same block_v and state quantisation, so h is what the forward
+        used)."""
+        return ChannelFwdConfig(
+            scale=scale, block_v=self.block_v, store_h=store_h, state_quant=self.state_quant
+        )
 
     @property
     def dqkw_k_split(self) -> bool:
@@ -102,15 +134,42 @@ def _unsupported_shape(dtype, K: int, V: int) -> str | None:
     return None
 
 
-def check_supported(dtype, K: int, V: int, chunk_size: int) -> None:
+def _unsupported_qat(dtype, V: int, state_quant: str | None, packed_states: bool) -> str | None:
+    """Why the channel kernels cannot fuse QAT with state granularity ``state_quant`` (None: they
+    can); ``packed_states``: packed sequences whose states the loops set and write per sequence."""
+    if state_quant != "matrix" or V == 64:
+        return None
+    if jnp.dtype(dtype) == jnp.float16:
+        return "f16 with the QAT state granularity 'matrix' and V = 128 (use 'column')"
+    if packed_states:
+        return (
+            "packed sequences with states and the QAT state granularity 'matrix' at V = 128 "
+            "(no shared memory for the state staging at block_v = 128; use 'column')"
+        )
+    return None
+
+
+def check_supported(
+    dtype,
+    K: int,
+    V: int,
+    chunk_size: int,
+    *,
+    state_quant: str | None = None,
+    packed_states: bool = False,
+) -> None:
     """Whether the channel kernels serve a call: io dtype ``dtype`` (q, k, v), head sizes K, V,
-    ``chunk_size`` and the platform (a Hopper GPU, or an execution mode other than "auto", see
-    :func:`pallas_kernels.use_mode`).
+    ``chunk_size``, the QAT state granularity ``state_quant`` (None: no state quantisation; every
+    w granularity is served), whether packed sequences come with initial or final states
+    (``packed_states``) and the platform (a Hopper GPU, or an execution mode other than "auto",
+    see :func:`pallas_kernels.use_mode`).
 
     Raises:
       NotImplementedError: with the reason, when they do not (the op then falls back to "xla").
     """
     why = _unsupported_shape(dtype, K, V)
+    if why is None:
+        why = _unsupported_qat(dtype, V, state_quant, packed_states)
     if why is None and chunk_size != CHUNK:
         why = f"{chunk_size=}: the Pallas kernels use chunks of {CHUNK}"
     if why is None and pk.execution_mode() == "auto" and not pk.is_hopper():
@@ -119,15 +178,25 @@ def check_supported(dtype, K: int, V: int, chunk_size: int) -> None:
         raise NotImplementedError(why)
 
 
-def channel_plan(dtype, K: int, V: int, *, scalar_beta: bool, store_a: bool) -> ChannelPlan:
+def channel_plan(
+    dtype,
+    K: int,
+    V: int,
+    *,
+    scalar_beta: bool,
+    store_a: bool,
+    state_quant: str | None = None,
+    w_quant: str | None = None,
+) -> ChannelPlan:
     """The form of every stage for io dtype ``dtype`` (bf16 or f16), head sizes K, V ∈ {64, 128},
     KDA (``scalar_beta``) or GDN2, with or without A stored by the forward (the backward's plan
-    is the differentiated forward's: ``store_a=True``).
+    is the differentiated forward's: ``store_a=True``), and the QAT granularities of the state
+    and of w (None: that site off).
 
     Raises:
-      NotImplementedError: dtype or head sizes the kernels do not serve.
+      NotImplementedError: dtype, head sizes or QAT the kernels do not serve.
     """
-    why = _unsupported_shape(dtype, K, V)
+    why = _unsupported_shape(dtype, K, V) or _unsupported_qat(dtype, V, state_quant, False)
     if why is not None:
         raise NotImplementedError(why)
     f16 = jnp.dtype(dtype) == jnp.float16
@@ -143,4 +212,7 @@ def channel_plan(dtype, K: int, V: int, *, scalar_beta: bool, store_a: bool) -> 
         store_a=store_a,
         dqkw=dqkw,
         wy_split=k_split,
+        block_v=V if state_quant == "matrix" else 64,
+        state_quant=state_quant,
+        w_quant=w_quant,
     )

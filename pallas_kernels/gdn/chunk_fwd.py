@@ -37,10 +37,9 @@ from pallas_kernels._tiles import (
     store_final_state,
     v_block_coords,
 )
-from pallas_kernels.gdn.fake_quant import fake_quant_e4m3, stage_columns
+from pallas_kernels.gdn.fake_quant import STATE_QUANT, fake_quant_e4m3, stage_columns
 
 f32 = jnp.float32
-STATE_QUANT = {"column": "cols", "matrix": "all"}  # QAT granularity -> groups of the [K, BV] tile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""In-register FP8-E4M3 fake quantisation for the GDN kernels (QAT, fused: no extra HBM pass).
+"""In-register FP8-E4M3 fake quantisation for the GDN and the channel-decay (KDA / GDN2) kernels
+(QAT, fused: no extra HBM pass).
 
 The formula is the one of ``gdn_jax.qat.fake_quant`` (this package imports nothing from
 ``gdn_jax``; the tests check that both agree bitwise):
@@ -12,11 +13,14 @@ The floor keeps ``inv`` finite: a group whose amax is below it (a state decayed 
 all zeros) is quantised on the floor's scale, so its values round to (near) zero instead of
 ``x * inf``.
 
-Groups are the rows, the columns or the whole of a 2-D f32 register tile (WGMMA layout). The
-whole-tile maximum is a row reduction followed by a column reduction of its broadcast, so only
-the 1-axis reductions Mosaic GPU lowers are needed. The gradient of the fake quant is the
-identity (straight-through), so the backward kernels need no quantiser: they are fed the
-quantised tensors that the forward used.
+Groups are the rows, the columns or the whole of a 2-D f32 register tile (WGMMA layout), or of
+several such tiles side by side (:func:`fake_quant_e4m3_tiles`: a [R, K] tensor produced in
+[R, 64] column blocks, as the channel intra kernel produces w). The whole-tile maximum is a row
+reduction followed by a column reduction of its broadcast, so only the 1-axis reductions Mosaic
+GPU lowers are needed. :data:`STATE_QUANT` and :data:`W_QUANT` map the granularities of
+``gdn_jax.qat.QATConfig`` to these groups, for both kernel families. The gradient of the fake
+quant is the identity (straight-through), so the backward kernels need no quantiser: they are fed
+the quantised tensors that the forward used.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ __all__ = [
     "AMAX_FLOOR",
     "E4M3_MAX",
     "GROUPS",
+    "STATE_QUANT",
+    "W_QUANT",
     "fake_quant_e4m3",
+    "fake_quant_e4m3_tiles",
     "F16_STAGE_AMAX",
     "f16_stage_scales",
     "stage_columns",
@@ -41,6 +48,11 @@ E4M3_MAX = 448.0
 # f32, whereas f32 amaxes down to ~1e-38 would make ``inv`` overflow to inf.
 AMAX_FLOOR = 2.0**-100
 GROUPS = ("rows", "cols", "all")
+# QAT granularity of the chunk-entering state -> groups of its [K, BV] tile ("matrix" needs the
+# whole state in one tile: BV = V)
+STATE_QUANT = {"column": "cols", "matrix": "all"}
+# QAT granularity of w -> groups of its [C, K] rows (tile: the chunk's C x K of one head)
+W_QUANT = {"row": "rows", "tile": "all"}
 f32 = jnp.float32
 
 
@@ -54,22 +66,49 @@ def fake_quant_e4m3(x: jax.Array, groups: str) -> jax.Array:
     Returns:
       [R, N] f32, every value ``e4m3 * scale``.
     """
+    (q,) = fake_quant_e4m3_tiles((x,), groups)
+    return q
+
+
+def fake_quant_e4m3_tiles(xs: tuple[jax.Array, ...], groups: str) -> tuple[jax.Array, ...]:
+    """:func:`fake_quant_e4m3` of the tensor made of the tiles ``xs`` side by side along columns
+    (``concatenate(xs, axis=1)``), without concatenating: a row's or the whole tensor's amax is
+    the maximum of the tiles' own.
+
+    Args:
+      xs: tiles [R, N] f32 (WGMMA layout), the column blocks of one [R, len(xs) * N] tensor.
+      groups: ``"rows"`` (one scale per row of the tensor), ``"cols"`` (one per column) or
+        ``"all"`` (one for the tensor).
+    Returns:
+      the quantised tiles, as ``xs``.
+    """
     if groups not in GROUPS:
         raise ValueError(f"{groups=} must be one of {GROUPS}")
-    shape = x.shape
-    a = jnp.abs(x)
-    if groups == "rows":
-        amax, expand = jnp.max(a, axis=1), cp.bcast_rows
-    elif groups == "cols":
-        amax, expand = jnp.max(a, axis=0), cp.bcast_cols
+    shape = xs[0].shape
+    if any(x.shape != shape for x in xs):
+        raise ValueError(f"tiles of one tensor must share a shape; got {[x.shape for x in xs]}")
+    if groups == "cols":  # each column lies in one tile
+        amaxes, expand = [jnp.max(jnp.abs(x), axis=0) for x in xs], cp.bcast_cols
     else:
-        amax, expand = jnp.max(cp.bcast_rows(jnp.max(a, axis=1), shape), axis=0), cp.bcast_cols
-    # per group: one division, then only multiplies (the same operations as gdn_jax.qat)
-    amax = jnp.maximum(amax, AMAX_FLOOR)
-    inv = E4M3_MAX / amax
-    scale = amax * f32(1.0 / E4M3_MAX)
-    q = (x * expand(inv, shape)).astype(jnp.float8_e4m3fn).astype(f32)
-    return q * expand(scale, shape)
+        amax = jnp.max(jnp.abs(xs[0]), axis=1)
+        for x in xs[1:]:
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(x), axis=1))
+        if groups == "rows":
+            expand = cp.bcast_rows
+        else:
+            amax, expand = jnp.max(cp.bcast_rows(amax, shape), axis=0), cp.bcast_cols
+        amaxes = [amax]  # one group vector shared by every tile
+    scales = []
+    for amax in amaxes:
+        # per group: one division, then only multiplies (the same operations as gdn_jax.qat)
+        amax = jnp.maximum(amax, AMAX_FLOOR)
+        scales.append((expand(E4M3_MAX / amax, shape), expand(amax * f32(1.0 / E4M3_MAX), shape)))
+    if len(scales) == 1:
+        scales *= len(xs)
+    out = []
+    for x, (inv, scale) in zip(xs, scales, strict=True):
+        out.append((x * inv).astype(jnp.float8_e4m3fn).astype(f32) * scale)
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------

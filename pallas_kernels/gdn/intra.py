@@ -24,9 +24,7 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import CHUNK, chunk_coords, per_chunk_kernel
-from pallas_kernels.gdn.fake_quant import fake_quant_e4m3
-
-W_QUANT = {"row": "rows", "tile": "all"}  # QAT granularity of w -> groups of the [C, K] tile
+from pallas_kernels.gdn.fake_quant import W_QUANT, fake_quant_e4m3
 
 
 @dataclasses.dataclass(frozen=True)

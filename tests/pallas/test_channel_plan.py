@@ -106,3 +106,49 @@ def test_plan_validates_its_fields():
         dataclasses.replace(plan, dqkw="two_cta")
     with pytest.raises(TypeError, match="wy_split"):
         ChannelPlan(scalar_beta=False, store_a=True, dqkw="one_cta", wy_split=1)
+
+
+@pytest.mark.parametrize("dt", sorted(DTYPES))
+@pytest.mark.parametrize("V", [64, 128])
+@pytest.mark.parametrize(
+    "state_quant,w_quant", [("column", "row"), ("matrix", "tile"), (None, None)]
+)
+def test_plan_carries_qat(dt, V, state_quant, w_quant):
+    """The intra kernel gets the w granularity, the state loop (forward and the backward's
+    recomputation) the state granularity and 64 value columns per CTA, all V for 'matrix'."""
+    if dt == "f16" and state_quant == "matrix" and V == 128:
+        with pytest.raises(NotImplementedError, match="matrix"):
+            channel_plan(DTYPES[dt], 64, V, scalar_beta=True, store_a=True, state_quant="matrix")
+        return
+    plan = channel_plan(
+        DTYPES[dt], 64, V, scalar_beta=True, store_a=True, state_quant=state_quant, w_quant=w_quant
+    )
+    assert plan.intra_config().w_quant == w_quant
+    for store_h in (False, True):
+        fcfg = plan.fwd_config(0.5, store_h=store_h)
+        assert (fcfg.state_quant, fcfg.store_h, fcfg.scale) == (state_quant, store_h, 0.5)
+        assert fcfg.block_v == (V if state_quant == "matrix" else 64)
+
+
+@pytest.mark.parametrize(
+    "dtype,V,packed_states,refused",
+    [
+        (jnp.float16, 128, False, "f16 with the QAT state granularity 'matrix'"),
+        (jnp.bfloat16, 128, True, "packed sequences with states"),
+        (jnp.bfloat16, 128, False, None),
+        (jnp.float16, 64, True, None),
+        (jnp.bfloat16, 64, True, None),
+    ],
+)
+def test_check_supported_qat(dtype, V, packed_states, refused):
+    """The state granularity 'matrix' at V = 128 is refused with f16 and with packed sequences
+    with states; 'column' (and no state quantisation) is served everywhere."""
+    with pk.use_mode("interpret"):
+        kw = dict(packed_states=packed_states)
+        check_supported(dtype, 64, V, 64, state_quant="column", **kw)
+        check_supported(dtype, 64, V, 64, state_quant=None, **kw)
+        if refused is None:
+            check_supported(dtype, 64, V, 64, state_quant="matrix", **kw)
+        else:
+            with pytest.raises(NotImplementedError, match=refused):
+                check_supported(dtype, 64, V, 64, state_quant="matrix", **kw)

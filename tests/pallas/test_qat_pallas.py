@@ -296,14 +296,6 @@ def test_packed_states_with_matrix_state_quant_at_v128_fall_back_to_xla():
     np.testing.assert_array_equal(np.asarray(ht[1]), np.asarray(x["initial_state"][1]))
 
 
-def test_kda_and_gdn2_pallas_still_refuse_qat():
-    x = random_inputs(2, B=1, T=64, H=1, HV=1, K=64, V=64, variant="kda", dtype=jnp.bfloat16)
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    with pk.use_mode("interpret"), pytest.raises(ExceptionGroup) as e:
-        gdn_jax.kda(*args, implementation="pallas", qat=qat.QATConfig())
-    assert all(isinstance(err, NotImplementedError) for err in e.value.exceptions)
-
-
 # ------------------------------------------------------------------------------------------------
 # GPU (H200): realistic shapes
 
