@@ -41,6 +41,8 @@ and an untied LM head. MFU = FLOPs / (step time * 989 TFLOP/s), the H200's dense
     python benchmarks/bench_vs_torch.py                                 # H200, all cases
     python benchmarks/bench_vs_torch.py --cases 4x4096 --stacks ours,torch_eager
     python benchmarks/bench_vs_torch.py --smoke        # tiny preset, T=64, 2 steps, any backend
+    python benchmarks/bench_vs_torch.py --cases 2x4096 --stacks torch_compile --torch-profile 15
+                                                       # + the costliest kernels of one step
 
 Rows ``{preset, layers, batch, seq, setting, gpu, step_ms, tokens_s, mfu, peak_gib,
 torch_eager_ms, torch_compile_ms, ...}`` (one per our setting, with the torch numbers of its
@@ -86,6 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "started with less than 15 s left (the table shows what finished)",
     )
     p.add_argument("--child-timeout-s", type=float, default=900.0, help="per process")
+    p.add_argument(
+        "--torch-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="torch stacks: one more step under torch.profiler; print its N costliest kernels",
+    )
     p.add_argument("--json", default="auto", help="results file: auto, PATH, none")
     p.add_argument(
         "--smoke",
@@ -287,7 +296,9 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
         loss = step()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() * 2.0**-30 if device == "cuda" else None
+    top = profile_top_kernels(step, args.torch_profile) if args.torch_profile else None
     return dict(
+        top_kernels=top,
         step_ms=1e3 * float(np.median(times)),
         peak_gib=peak,
         compile_s=warmup_s,
@@ -298,6 +309,24 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
         versions=dict(torch=torch.__version__, transformers=transformers.__version__),
     )
+
+
+def profile_top_kernels(step, n: int) -> list[tuple[str, float, int]]:  # pragma: no cover
+    """One ``step()`` under ``torch.profiler``: its ``n`` costliest device kernels (CPU ops
+    without a GPU) as ``(name, total ms, calls)``, from the profiler's per-name averages."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        step()
+    rows = []
+    for e in prof.key_averages():
+        us = e.device_time_total if cuda else e.self_cpu_time_total
+        if us > 0 and (not cuda or e.device_type.name == "CUDA"):
+            rows.append((e.key[:120], us / 1e3, e.count))
+    return sorted(rows, key=lambda r: -r[1])[:n]
 
 
 def child_main(args) -> None:
@@ -455,6 +484,8 @@ def main(argv=None) -> list[dict]:
                     print(f"  {what} {case}: {r['step_ms']:.1f} ms, peak "
                           f"{r['peak_gib'] or 0:.1f} GiB, {time.perf_counter() - t0:.0f} s in "
                           "all", flush=True)  # fmt: skip
+                    for name, ms, calls in r.get("top_kernels") or ():
+                        print(f"      {ms:9.2f} ms {calls:6d}x  {name}", flush=True)
                     if "fla" in r:
                         notes.add(f"torch side: {r['fla']}, {r['versions']}, "
                                   f"attention {r['attn_implementation']}, "
