@@ -368,8 +368,16 @@ def bench_channel_stages(s, x, variant) -> dict:
     of 64): ``chan_intra`` as inference runs it, ``chan_intra(store_a…)`` as a differentiated
     forward runs it (keeping A for the backward), then the backward's kernels in the order
     :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(k_split)``
-    times the variant of a backward kernel with one CTA per half of K."""
-    from gdn_jax.ops._channel_pallas import decay_last, kernel_beta
+    times the variant of a backward kernel with one CTA per half of K. ``sanitize_inputs``,
+    ``poison_output`` and ``gate_clamp_cumsum`` time the XLA work of the forward around the
+    kernels: the public op's edge-value handling and the glue's gate clamp and cumsum."""
+    from gdn_jax.ops import _sanitize
+    from gdn_jax.ops._channel_pallas import (
+        MIN_LOG_DECAY,
+        decay_last,
+        kernel_beta,
+        lane_gate_cumsum,
+    )
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.channel.bwd_dh import channel_bwd_dh
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
@@ -422,7 +430,19 @@ def bench_channel_stages(s, x, variant) -> dict:
         return jax.jit(lambda *a: channel_bwd_wy(*a, wcfg))
 
     wy_args = (k, v, G, gr, gl, bk, w_gate, A, dwk, dvh, dvl)
+    # the public op's edge-value handling and the glue's gate clamp + chunk-local cumsum
+    # (gdn_jax/ops/_sanitize.py, gdn_jax/ops/_channel_pallas.py) around the kernels
+    g_raw = jnp.asarray(x["g"])
+    heads = (jnp.asarray(x["beta"]),) if scalar else (jnp.asarray(x["b"]),)
+    cols = () if scalar else (jnp.asarray(x["w"]),)
+    sanitize = jax.jit(lambda q, k, v, g, hs, cs: _sanitize.inputs(q, k, v, g, hs, cs, None))
+    poison = sanitize(q, k, v, g_raw, heads, cols)[1]
+    poison_o = jax.jit(lambda p, o: p.output(o))
+    cumsum = jax.jit(lambda g: lane_gate_cumsum(jnp.maximum(g, MIN_LOG_DECAY)))
     times.update({
+        "sanitize_inputs": time_jax(sanitize, (q, k, v, g_raw, heads, cols)),
+        "poison_output": time_jax(poison_o, (poison, do)),
+        "gate_clamp_cumsum": time_jax(cumsum, (g_raw,)),
         "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),
         "chan_chunk_h": time_jax(hrec, (kg, wk, u, dl, h0)),
         "chan_bwd_dh": time_jax(dh_fn, (qg, kg, wk, do, aqk, dl, dht)),

@@ -93,7 +93,7 @@ from pallas_kernels.channel.chunk_fwd import channel_chunk_fwd
 from pallas_kernels.channel.intra import channel_intra
 from pallas_kernels.channel.plan import ChannelPlan, channel_plan, check_supported
 
-__all__ = ["CHANNEL_PALLAS", "ChannelConfig", "channel_pallas", "decay_last"]
+__all__ = ["CHANNEL_PALLAS", "ChannelConfig", "channel_pallas", "decay_last", "lane_gate_cumsum"]
 
 f32 = jnp.float32
 
@@ -234,7 +234,7 @@ _core.defvjp(_core_fwd, _backward)
 # public glue
 
 
-def _cumsum(g: jax.Array) -> jax.Array:
+def lane_gate_cumsum(g: jax.Array) -> jax.Array:
     """Chunk-local cumsum over the row axis of [N, Tp, ...] (f32)."""
     N, Tp = g.shape[:2]
     return gate_cumsum(g.reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:])).reshape(g.shape)
@@ -318,7 +318,7 @@ def channel_pallas(
             meta = packed_meta(layout)
     qp, kp, vp, gp, bp = xp[:5]
     wp = None if scalar else xp[5]
-    o, ht = _core(cfg, qp, kp, vp, _cumsum(gp), bp, wp, h0, meta)
+    o, ht = _core(cfg, qp, kp, vp, lane_gate_cumsum(gp), bp, wp, h0, meta)
 
     if cu_seqlens is None:
         return from_padded_lanes(o, None, T).astype(v.dtype), (ht if output_final_state else None)

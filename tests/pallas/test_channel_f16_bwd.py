@@ -77,7 +77,7 @@ def f16_inputs(seed, variant, T, H, HV, K, g_val, *, wide_state=True, big_da=Fal
     v = arr((16.0 if big_da else 1.0) * r.standard_normal((N, T, HV, V)))
     if g is None:
         g = r.uniform(-1, 0, (N, T, HV, K)) if g_val is None else np.full((N, T, HV, K), g_val)
-    G = cpm._cumsum(jnp.asarray(g, f32))
+    G = cpm.lane_gate_cumsum(jnp.asarray(g, f32))
     gr, gl = reference_rows(G)
     if variant == "kda":
         b, w = arr(r.uniform(0, 1, (N, T, HV)), f32), None

@@ -74,7 +74,7 @@ def stage_inputs(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0, v
     if valid is not None:
         for x in (q, k, v, g):
             x[:, valid:] = 0.0
-    G = cpm._cumsum(jnp.asarray(g, f32))
+    G = cpm.lane_gate_cumsum(jnp.asarray(g, f32))
     q, k, v = (jnp.asarray(x, f16) for x in (q, k, v))
     if variant == "kda":
         b, w = jnp.asarray(r.uniform(0, 1, (N, HV, T)), f32), None

@@ -49,7 +49,7 @@ def core_case(seed, variant, N, T, H, HV, K, *, g_val=None, gate_scale=1.0, g=No
         g = -gate_scale * r.uniform(0, 1, (N, T, HV, K))
     else:
         g = np.full((N, T, HV, K), g_val)
-    G = cpm._cumsum(jnp.asarray(g, f32))
+    G = cpm.lane_gate_cumsum(jnp.asarray(g, f32))
     if variant == "kda":
         b, w = jnp.asarray(r.uniform(0, 1, (N, T, HV)), f32), None
     else:
