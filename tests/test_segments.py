@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn_jax.ops._gdn_pallas import packed_meta
+from gdn_jax.ops._pallas_common import packed_meta
 from gdn_jax.ops._segments import (
     MAX_SEGMENTS,
     pad_chunks,

@@ -75,7 +75,7 @@ import jax.numpy as jnp
 
 from gdn_jax import remat
 from gdn_jax.ops import _xla
-from gdn_jax.ops._gdn_pallas import (
+from gdn_jax.ops._pallas_common import (
     CoreConfig,
     from_one_lane,
     from_padded_lanes,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from gdn_jax.ops._gdn_pallas import zero_sequences_without_chunks
+from gdn_jax.ops._pallas_common import zero_sequences_without_chunks
 from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
@@ -69,7 +69,7 @@ def channel_backward_pallas(
       do: [N, T, HV, V] cotangent of o; dht: [N, HV, K, V] cotangent of the final state
         ([S, HV, K, V] with ``meta``).
       meta: packed sequences on one lane (N == 1): the chunk loops' [T/64, META_COLS] int32
-        table (:func:`gdn_jax.ops._gdn_pallas.packed_meta`), or None.
+        table (:func:`gdn_jax.ops._pallas_common.packed_meta`), or None.
       scale: the output scale.
       plan: the forms of the kernels (:func:`pallas_kernels.channel.plan.channel_plan` of the
         differentiated forward, ``store_a=True``).

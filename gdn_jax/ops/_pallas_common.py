@@ -1,0 +1,165 @@
+"""What the two Pallas glue modules (:mod:`gdn_jax.ops._gdn_pallas` for GDN,
+:mod:`gdn_jax.ops._channel_pallas` for KDA / GDN2) share: the static config of their cores and
+the lane layouts the kernels run on.
+
+Lanes: the kernels run over ``[N, Tp, ...]`` arrays whose rows are 64-token chunks. Dense inputs
+get one zero-padded lane per batch row (:func:`padded_lanes`); packed sequences (``cu_seqlens``)
+go back to back on one lane, each starting at a chunk boundary (:func:`one_lane`, T + 64 N rows
+at most), with the state reset at each sequence's first chunk either by a wiping gate
+(:func:`wipe_first_tokens`, when all initial states are zero and no final state is asked for) or
+by the chunk loops from a per-chunk table of sequence ids (:func:`packed_meta`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gdn_jax.qat import QATConfig
+from gdn_jax.reference._common import ChunkLayout, chunk_layout, from_chunks, to_chunks
+from pallas_kernels import _compat as pk
+from pallas_kernels._tiles import CHUNK, META_COLS
+
+__all__ = [
+    "CoreConfig",
+    "WIPE_LOG_DECAY",
+    "from_one_lane",
+    "from_padded_lanes",
+    "one_lane",
+    "packed_meta",
+    "padded_lanes",
+    "wipe_first_tokens",
+    "zero_sequences_without_chunks",
+]
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreConfig:
+    """Static (non-differentiable) configuration shared by the Pallas cores.
+
+    Attributes:
+      scale: query scale.
+      mode: kernel execution mode captured at call time (``"auto"``, ``"gpu"``, ``"interpret"``).
+      qat: optional QAT fake quantisation, fused into the kernels: w in the intra kernel, the
+        chunk-entering state in the chunk loop (forward and the backward's recomputation, so the
+        backward sees exactly the quantised values of the forward; gradients pass straight
+        through, as in the xla path).
+    """
+
+    scale: float
+    mode: str = "auto"
+    qat: QATConfig | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.scale, float):
+            raise TypeError(f"{self.scale=} must be a Python float")
+        if self.mode not in ("auto", "gpu", "interpret"):
+            raise ValueError(f"{self.mode=} must be 'auto', 'gpu' or 'interpret'")
+        if self.qat is not None and not isinstance(self.qat, QATConfig):
+            raise TypeError(f"{self.qat=} must be a gdn_jax.qat.QATConfig or None")
+
+    def kernels(self):
+        """Context that makes the kernels traced inside it use the configured execution mode."""
+        return pk.use_mode(self.mode)
+
+    @property
+    def w_quant(self) -> str | None:
+        """Granularity of the w fake quant in the intra kernel (None: off)."""
+        q = self.qat
+        return q.w_granularity if q is not None and "w" in q.sites else None
+
+    @property
+    def state_quant(self) -> str | None:
+        """Granularity of the state fake quant in the chunk loop (None: off)."""
+        q = self.qat
+        return q.state_granularity if q is not None and "state" in q.sites else None
+
+
+def padded_lanes(xs, cu_seqlens, T: int, Tp: int) -> list[jax.Array]:
+    """One zero-padded lane per batch row (dense) or per packed sequence: [N, Tp, ...] each.
+
+    Args:
+      xs: arrays [B, T, ...] (B == 1 with ``cu_seqlens``).
+      cu_seqlens: [N + 1] int32 or None.
+      T, Tp: tokens and the padded lane length (a multiple of 64, ≥ the longest sequence).
+    """
+    if cu_seqlens is None:
+        return [jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
+    cu = cu_seqlens.astype(jnp.int32)
+    t = jnp.arange(Tp, dtype=jnp.int32)
+    tok = cu[:-1, None] + t[None, :]  # [N, Tp]
+    valid = tok < cu[1:, None]
+    tok = jnp.where(valid, tok, 0)
+
+    def lane(x):
+        y = jnp.take(x[0], tok, axis=0)
+        m = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+        return jnp.where(m, y, jnp.zeros((), x.dtype))
+
+    return [lane(x) for x in xs]
+
+
+def from_padded_lanes(o: jax.Array, cu_seqlens: jax.Array | None, T: int) -> jax.Array:
+    """Inverse of :func:`padded_lanes` for an output [N, Tp, ...]: [B, T, ...] (B == 1 packed)."""
+    if cu_seqlens is None:
+        return o[:, :T]
+    cu = cu_seqlens.astype(jnp.int32)
+    tt = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu, tt, side="right").astype(jnp.int32) - 1
+    return o[seq, tt - cu[seq]][None]
+
+
+# log-decay given to the first token of every packed sequence on one lane: e^{-200} underflows to
+# 0 in f32, so the carried state is wiped, while differences G_i - G_j inside the chunk (all the
+# kernels use besides e^{G}) keep ~1e-5 accuracy
+WIPE_LOG_DECAY = -200.0
+
+
+def one_lane(xs, cu_seqlens: jax.Array, T: int) -> tuple[list[jax.Array], ChunkLayout]:
+    """Packed sequences back to back on one lane, each starting at a chunk boundary.
+
+    Args:
+      xs: arrays [1, T, ...].
+      cu_seqlens: [N + 1] int32.
+      T: tokens.
+    Returns:
+      ([1, rows, ...] per array, rows = 64 × chunks ≤ T + 64 N; padding rows zero), and the
+      layout (:func:`from_one_lane` inverts it; ``layout.first`` marks each sequence's first chunk).
+    """
+    layout = chunk_layout(1, T, CHUNK, cu_seqlens)
+    rows = layout.token.shape[1] * CHUNK
+    return [to_chunks(x, layout).reshape((1, rows) + x.shape[2:]) for x in xs], layout
+
+
+def wipe_first_tokens(g: jax.Array, layout: ChunkLayout) -> jax.Array:
+    """Per-token log-decay on one lane [1, rows, ...] f32, plus :data:`WIPE_LOG_DECAY` on the
+    first token of every sequence (so the state carried in from the previous one is zero)."""
+    nc = layout.token.shape[1]
+    wipe = jnp.zeros((nc, CHUNK), f32).at[:, 0].set(jnp.where(layout.first[0], WIPE_LOG_DECAY, 0.0))
+    return g.astype(f32) + wipe.reshape((1, nc * CHUNK) + (1,) * (g.ndim - 2))
+
+
+def from_one_lane(o: jax.Array, layout: ChunkLayout, T: int) -> jax.Array:
+    """Inverse of :func:`one_lane` for an output [1, rows, ...]: [1, T, ...]."""
+    return from_chunks(o.reshape((1, -1, CHUNK) + o.shape[2:]), layout, 1, T)
+
+
+def packed_meta(layout: ChunkLayout) -> jax.Array:
+    """The kernels' per-chunk table of packed sequences on one lane: [chunks, META_COLS] int32,
+    column 0 the sequence whose first chunk this is, column 1 whose last chunk, else -1."""
+    nc = layout.token.shape[1]
+    meta = jnp.full((nc, META_COLS), -1, jnp.int32)
+    meta = meta.at[:, 0].set(jnp.where(layout.first[0], layout.seq[0], -1))
+    return meta.at[:, 1].set(jnp.where(layout.last[0], layout.seq[0], -1))
+
+
+def zero_sequences_without_chunks(x: jax.Array, meta: jax.Array) -> jax.Array:
+    """Rows of ``x`` [N, ...] whose sequence has no chunk in ``meta`` (empty sequences: the
+    kernels never write their rows) set to 0."""
+    N = x.shape[0]
+    seen = jnp.zeros((N + 1,), bool).at[jnp.where(meta[:, 0] >= 0, meta[:, 0], N)].set(True)
+    return jnp.where(seen[:N].reshape((N,) + (1,) * (x.ndim - 1)), x, 0.0)
