@@ -1,1 +1,1 @@
-"""The inter-chunk state recurrences shared by both gate shapes (GDN scalar, GDN2/KDA per key channel), one module per pass."""
+"""State recurrences shared by both gate shapes (GDN: scalar; GDN2/KDA: per key channel)."""
