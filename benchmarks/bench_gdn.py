@@ -257,8 +257,8 @@ def bench_stages(s, x) -> dict:
     from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
     from pallas_kernels.gdn.bwd_wy import bwd_wy
     from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
-    from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
     from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
+    from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
     bf = jnp.bfloat16
     q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
@@ -319,9 +319,9 @@ def bench_segment_stages(s, x, S: int) -> dict:
     from gdn_jax.ops._segments import segment_end_cotangents, segment_starts
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
-    from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
     from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
     from pallas_kernels.gdn.segment_state import segment_maps
+    from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
     bf = jnp.bfloat16
     q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
@@ -382,8 +382,8 @@ def bench_channel_stages(s, x, variant) -> dict:
     from pallas_kernels.channel.bwd_dh import channel_bwd_dh
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
     from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
-    from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
     from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
+    from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
     bf = jnp.bfloat16
     q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
@@ -400,7 +400,7 @@ def bench_channel_stages(s, x, variant) -> dict:
     qg, kg, wk, u, aqk = intra(q, k, v, G, *gates)
     dl = decay_last(G)
     h0 = jnp.zeros((B, HV, K, s.V), jnp.float32)
-    fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, ChannelFwdConfig(scale=scale)))
+    fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, ChunkFwdConfig(scale=scale)))
     times = {
         "chan_intra": time_jax(intra, (q, k, v, G, *gates)),
         "chan_chunk_fwd": time_jax(fwd, (qg, kg, wk, u, aqk, dl, h0)),
@@ -409,7 +409,7 @@ def bench_channel_stages(s, x, variant) -> dict:
     acfg = dataclasses.replace(icfg, store_a=True)
     intra_a = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, acfg))
     A = intra_a(q, k, v, G, *gates)[-1]
-    hcfg = ChannelFwdConfig(scale=scale, store_h=True)
+    hcfg = ChunkFwdConfig(scale=scale, store_h=True)
     hrec = jax.jit(lambda kg, wk, u, dl, h0: channel_chunk_fwd(None, kg, wk, u, None, dl, h0, hcfg))
     h, vn = hrec(kg, wk, u, dl, h0)
     do = jnp.asarray(x["do"], bf)

@@ -317,7 +317,7 @@ def test_bad_segment_arguments():
     from gdn_jax.qat import QATConfig
     from pallas_kernels import _compat as pk
     from pallas_kernels._tiles import LoopConfig
-    from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
+    from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
     with pytest.raises(ValueError, match="segments"):
         LoopConfig(segments=0)

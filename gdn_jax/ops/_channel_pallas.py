@@ -55,7 +55,7 @@ policies can save, offload or recompute them. Saving the products spares the bac
 kernel (1.5 ms of KDA's fwd+bwd at B4 T4096 HV16 on the H200) for about as many residual bytes
 again as the inputs; under ``jax.checkpoint`` with a policy that does not save them, JAX reruns
 the forward kernels in the backward instead. :func:`_backward` recomputes h and v_new with
-:func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd` (``store_h=True``; decay_last from
+:func:`pallas_kernels.recurrence.chunk_fwd.channel_chunk_fwd` (``store_h=True``; decay_last from
 :func:`decay_last`) and returns the cotangents of the inputs:
 ``(dq, dk, dv, dG, db, dw, dh0, None)`` with dG w.r.t. the cumsum G (the reverse cumsum to dg
 happens outside, by autodiff of the glue), db [N, Tp, HV] for KDA and dw None for KDA.
@@ -89,9 +89,9 @@ from gdn_jax.reference._common import chunk_layout, l2norm
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
-from pallas_kernels.channel.chunk_fwd import channel_chunk_fwd
 from pallas_kernels.channel.intra import channel_intra
 from pallas_kernels.channel.plan import ChannelPlan, channel_plan, check_supported
+from pallas_kernels.recurrence.chunk_fwd import channel_chunk_fwd
 
 __all__ = ["CHANNEL_PALLAS", "ChannelConfig", "channel_pallas", "decay_last", "lane_gate_cumsum"]
 

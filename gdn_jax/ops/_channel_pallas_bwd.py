@@ -5,7 +5,7 @@ padded lanes and the forward intra kernel's products qg, kg, w, u, Aqk, A, see t
 docstring) and cotangents. Four launches plus small XLA glue:
 
 1. recompute h (state entering each chunk, QAT-quantised as in the forward) and v_new
-                                            :func:`pallas_kernels.channel.chunk_fwd.channel_chunk_fwd`
+                                            :func:`pallas_kernels.recurrence.chunk_fwd.channel_chunk_fwd`
 2. reverse state-gradient loop: dh per chunk, dv2 = dL/dv_new, dh0
                                             :func:`pallas_kernels.channel.bwd_dh.channel_bwd_dh`
 3. dq, dk (output/state parts), dw (WY), dG pieces, per chunk
@@ -30,9 +30,9 @@ from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
 from pallas_kernels.channel.bwd_wy import channel_bwd_wy
-from pallas_kernels.channel.chunk_fwd import channel_chunk_fwd
 from pallas_kernels.channel.intra import reference_rows
 from pallas_kernels.channel.plan import ChannelPlan
+from pallas_kernels.recurrence.chunk_fwd import channel_chunk_fwd
 
 __all__ = ["channel_backward_pallas"]
 

@@ -54,9 +54,9 @@ import jax.numpy as jnp
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
 from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig
-from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig
 from pallas_kernels.channel.intra import ChannelIntraConfig
 from pallas_kernels.gdn.fake_quant import STATE_QUANT, W_QUANT
+from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig
 
 __all__ = ["DQKW_FORMS", "ChannelPlan", "channel_plan", "check_supported"]
 
@@ -105,11 +105,11 @@ class ChannelPlan:
             scalar_beta=self.scalar_beta, store_a=self.store_a, w_quant=self.w_quant
         )
 
-    def fwd_config(self, scale: float, *, store_h: bool = False) -> ChannelFwdConfig:
+    def fwd_config(self, scale: float, *, store_h: bool = False) -> ChunkFwdConfig:
         """The state loop's configuration: the forward's, or with ``store_h`` the backward's
         recomputation of h (the same block_v and state quantisation, so h is what the forward
         used)."""
-        return ChannelFwdConfig(
+        return ChunkFwdConfig(
             scale=scale, block_v=self.block_v, store_h=store_h, state_quant=self.state_quant
         )
 

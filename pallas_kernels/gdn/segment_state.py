@@ -1,7 +1,7 @@
 """Segment pass of the sequence-parallel chunk loop: each segment's affine state map.
 
 A sequence of T/64 chunks is cut into S equal segments. Over segment j the state recurrence of
-:mod:`pallas_kernels.gdn.chunk_fwd` is affine in the state entering the segment,
+:mod:`pallas_kernels.recurrence.chunk_fwd` is affine in the state entering the segment,
 ``S_end = M_j S_in + c_j`` with M_j [K, K] (it depends on k, w and the gates only) and c_j
 [K, V]. This kernel runs the recurrence over the segment's chunks on the augmented state
 ``[c | M]`` [K, V + K], starting from ``[0 | I_K]``, with values ``[u | 0]``:
@@ -133,7 +133,7 @@ def segment_maps(
       config: :class:`~pallas_kernels._tiles.LoopConfig` (block_v 64, segments ≥ 2; scale unused).
       meta: packed sequences on one lane (B == 1): [T/64, META_COLS] int32, column 0 the
         sequence whose first chunk this is, else -1 (as for
-        :func:`pallas_kernels.gdn.chunk_fwd.chunk_fwd`; column 1 unused).
+        :func:`pallas_kernels.recurrence.chunk_fwd.chunk_fwd`; column 1 unused).
       all_segments: run every segment (R = S rows per batch row) instead of the first S − 1.
     Returns:
       [B·R, HV, K, V + K] f32 (R = S − 1, or S with ``all_segments``): row b·R + j holds

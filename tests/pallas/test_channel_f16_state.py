@@ -1,5 +1,5 @@
 """f16 io in the channel-decay state loops: ``channel_chunk_fwd`` (forward and ``store_h``,
-:mod:`pallas_kernels.channel.chunk_fwd`) and ``channel_bwd_dh``
+:mod:`pallas_kernels.recurrence.chunk_fwd`) and ``channel_bwd_dh``
 (:mod:`pallas_kernels.channel.bwd_dh`).
 
 With f16 io the f32 state S (forward) and state gradient dH (backward) are staged as the f16 B
@@ -34,8 +34,8 @@ from gdn_jax.testing import rel_rms
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
-from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
 from pallas_kernels.channel.intra import reference_rows
+from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
 f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
 HI = jax.lax.Precision.HIGHEST  # the GPU's default f32 matmul is TF32: the oracle must not be
@@ -149,11 +149,11 @@ def run_fwd(x, h0, scale, block_v=64):
     """Both modes of chunk_fwd: (o, final, h, v_new)."""
     o, ht = channel_chunk_fwd(
         x["qg"], x["kg"], x["w"], x["u"], x["aqk"], x["egl"], h0,
-        ChannelFwdConfig(scale=scale, block_v=block_v),
+        ChunkFwdConfig(scale=scale, block_v=block_v),
     )  # fmt: skip
     h, vn = channel_chunk_fwd(
         None, x["kg"], x["w"], x["u"], None, x["egl"], h0,
-        ChannelFwdConfig(scale=scale, block_v=block_v, store_h=True),
+        ChunkFwdConfig(scale=scale, block_v=block_v, store_h=True),
     )  # fmt: skip
     return o, ht, h, vn
 
@@ -292,8 +292,8 @@ def _shapes(K, V, dt, B=1, T=192, HV=2):
 def _kernel_fns(K, V, dt, block_v):
     """(name, fn, args) of the three kernel forms (forward, store_h, bwd_dh) on shapes."""
     s = _shapes(K, V, dt)
-    fwd = ChannelFwdConfig(scale=0.1, block_v=block_v)
-    sh = ChannelFwdConfig(scale=0.1, block_v=block_v, store_h=True)
+    fwd = ChunkFwdConfig(scale=0.1, block_v=block_v)
+    sh = ChunkFwdConfig(scale=0.1, block_v=block_v, store_h=True)
     return [
         ("chan_chunk_fwd", lambda *a: channel_chunk_fwd(*a, fwd),
          (s["qk"], s["qk"], s["qk"], s["u"], s["aqk"], s["egl"], s["st"])),

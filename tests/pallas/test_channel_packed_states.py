@@ -23,7 +23,7 @@ from gdn_cases import lowered_kernels, run_interpreted
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import META_COLS, LoopConfig
 from pallas_kernels.channel.bwd_dh import channel_bwd_dh
-from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
+from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 LOOPS = ("chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh")
@@ -116,8 +116,8 @@ def _loop_fns(K, V, dt, N=3, T=256, HV=2, block_v=64):
     S, nt = jax.ShapeDtypeStruct, T // 64
     qk, u, aqk = S((1, T, HV, K), dt), S((1, T, HV, V), dt), S((1, T, HV, 64), dt)
     egl, st, meta = S((1, HV, nt, K), f32), S((N, HV, K, V), f32), S((nt, META_COLS), jnp.int32)
-    fwd = ChannelFwdConfig(scale=0.1, block_v=block_v)
-    sh = ChannelFwdConfig(scale=0.1, block_v=block_v, store_h=True)
+    fwd = ChunkFwdConfig(scale=0.1, block_v=block_v)
+    sh = ChunkFwdConfig(scale=0.1, block_v=block_v, store_h=True)
     dh = LoopConfig(scale=0.1, block_v=block_v)
     return [
         ("chan_chunk_fwd", lambda qg, kg, w, u, a, e, h0, m: channel_chunk_fwd(

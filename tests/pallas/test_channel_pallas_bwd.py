@@ -327,15 +327,15 @@ def _kernel_inputs(seed, variant, N, T, H, HV, K, g=None):
     """Realistic kernel inputs: the forward's intermediates recomputed by the kernels themselves
     (``g``: the log-decays, as for :func:`core_case`)."""
     cfg, (q, k, v, G, b, w, h0), (do, dht) = core_case(seed, variant, N, T, H, HV, K, g=g)
-    from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
     from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
+    from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
     gr, gl = reference_rows(G)
     bk = b.transpose(0, 2, 1) if w is None else b
     icfg = ChannelIntraConfig(scalar_beta=w is None, store_a=True)
     qg, kg, wk, u, aqk, A = channel_intra(q, k, v, G, bk, w, icfg)
     h, vn = channel_chunk_fwd(
-        None, kg, wk, u, None, jnp.exp(gl), h0, ChannelFwdConfig(scale=cfg.scale, store_h=True)
+        None, kg, wk, u, None, jnp.exp(gl), h0, ChunkFwdConfig(scale=cfg.scale, store_h=True)
     )
     return dict(cfg=cfg, q=q, k=k, v=v, G=G, b=b, w=w, bk=bk, gr=gr, gl=gl, qg=qg, kg=kg, wk=wk,
                 aqk=aqk, A=A, h=h, vn=vn, do=do.astype(q.dtype), dht=dht)  # fmt: skip

@@ -31,9 +31,9 @@ from gdn_jax.ops._channel_pallas import kernel_beta
 from gdn_jax.testing import check_2x, random_inputs
 from pallas_kernels import _compat as pk
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
 from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
 from pallas_kernels.gdn.fake_quant import fake_quant_e4m3_tiles
+from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 KERNELS = (
@@ -120,7 +120,7 @@ def _quantised_products(variant, K, sq, wq):
     _, kg, wk, u, _ = channel_intra(q, k, v, G, bk, w, icfg)
     egl = jnp.exp(G.reshape(1, 2, 64, 2, K)[:, :, -1]).transpose(0, 2, 1, 3)
     block_v = K if sq == "matrix" else 64
-    fcfg = ChannelFwdConfig(scale=cfg.scale, block_v=block_v, store_h=True, state_quant=sq)
+    fcfg = ChunkFwdConfig(scale=cfg.scale, block_v=block_v, store_h=True, state_quant=sq)
     h, _ = channel_chunk_fwd(None, kg, wk, u, None, egl, h0, fcfg)
     return wk.reshape(1, 2, 64, 2, K), h
 
@@ -340,7 +340,7 @@ def test_lowers_for_cuda_with_qat(variant, name, K, V, dtype):
 
 def test_matrix_state_scale_needs_the_whole_state_in_one_cta():
     S, bf = jax.ShapeDtypeStruct, bf16
-    cfg = ChannelFwdConfig(scale=1.0, block_v=64, state_quant="matrix")
+    cfg = ChunkFwdConfig(scale=1.0, block_v=64, state_quant="matrix")
     qk, u = S((1, 64, 1, 128), bf), S((1, 64, 1, 128), bf)
     args = (qk, qk, qk, u, S((1, 64, 1, 64), bf), S((1, 1, 1, 128), f32), S((1, 1, 128, 128), f32))
     with pk.cuda_lowering_mesh(), pytest.raises(NotImplementedError, match="matrix"):

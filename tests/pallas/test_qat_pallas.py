@@ -189,8 +189,8 @@ def _off_e4m3_grid(x, axes) -> float:
 def test_interpret_kernels_quantise_w_and_the_state_per_group():
     """The intra kernel emits w and the recomputation kernel the chunk-entering states h on the
     e4m3 grid of exactly the configured groups (and not on that of the other granularity)."""
-    from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
     from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
+    from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
     B, T, H, HV, K = 1, 128, 1, 2, 64
     x = random_inputs(3, B=B, T=T, H=H, HV=HV, K=K, V=K, dtype=jnp.bfloat16, gate_scale=0.05)
@@ -264,7 +264,7 @@ def test_lowers_for_cuda_with_qat(name, K):
 
 
 def test_matrix_state_scale_needs_the_whole_state_in_one_cta():
-    from pallas_kernels.gdn.chunk_fwd import ChunkFwdConfig, chunk_fwd
+    from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     cfg = ChunkFwdConfig(scale=1.0, block_v=64, state_quant="matrix")

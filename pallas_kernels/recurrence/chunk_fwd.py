@@ -1,0 +1,448 @@
+"""Stages 3+4 of the chunked forms: the inter-chunk state recurrence fused with the output, one
+kernel body for both gate shapes.
+
+One CTA (one warpgroup) per (batch row, value head, block of ``block_v`` value columns) runs over
+the chunks in order, with the state S [K, BV] in f32 registers as the ``emit_pipeline`` carry.
+Each chunk the state is cast to the io dtype once, into one SMEM tile that is the B operand of
+both ``w S`` and ``q S``. Per chunk (C = 64 rows, G the chunk-local cumulative log-decay):
+
+- scalar gate (GDN, :func:`chunk_fwd`; w, u from :func:`pallas_kernels.gdn.intra.intra_chunk`,
+  q and k read per query/key head, so GVA costs no copies)::
+
+      v_new = u − w S
+      o     = scale · [ (q S) ⊙ e^{G} + (q kᵀ ⊙ e^{G_i − G_j} ⊙ [i ≥ j]) v_new ]
+      S     ← e^{G_last} S + kᵀ (v_new ⊙ e^{G_last − G})
+
+- decay per key channel (GDN2 / KDA, :func:`channel_chunk_fwd`; the decayed operands come from
+  :func:`pallas_kernels.channel.intra.channel_intra`, per value head)::
+
+      v_new = u − w S
+      o     = scale · [ qg S + Aqk v_new ]              qg = q e^{G}, Aqk causal and decayed
+      S     ← Diag(e^{G_last}) S + kgᵀ v_new            kg = k e^{G_last − G}
+
+  The decay of the state is a row scaling of the state tile (WGMMA layout, vector loaded with
+  ``WGMMA.reduce(1)``).
+
+The forward writes no per-chunk state. With ``store_h`` the same loop writes the state entering
+each chunk (h) and v_new instead of o and the final state: the backward's recomputation. Padded
+rows (zero q, k, w, u, and a repeated cumulative gate) leave S unchanged; G_last is the cumulative
+gate of the chunk's last valid row.
+
+Segments (scalar gate, ``segments = S > 1``): each lane is cut into S segments of equal chunk
+count that run as separate CTAs from the states in ``h0`` (one row per segment; the combine pass
+that makes those states is :mod:`gdn_jax.ops._segments`).
+
+QAT (``state_quant``): the state entering each chunk (after a packed sequence's h0 is loaded) is
+fake-quantised to FP8-E4M3 in registers (:func:`pallas_kernels.gdn.fake_quant.fake_quant_e4m3`,
+one scale per V column or one per K×V state), and that quantised state is the one the chunk's
+products, its decayed update and, with ``store_h``, the stored h use (as in the xla path). A
+per-state scale needs the whole state in one CTA (``block_v == V``).
+
+Packed sequences on one lane (``meta``): each sequence starts at a chunk boundary and a per-chunk
+table, read from SMEM as scalars, names the sequence whose first chunk this is (the state is set
+to its h0 row, TMA-loaded into a staging tile under a predicate) and the one whose last chunk this
+is (its end state is written from the same tile).
+
+f16 io (docs/design.md: an f32 state is never staged through plain f16, whose maximum is 65504):
+the state tile is staged as f16 with one scale per V column
+(:func:`pallas_kernels.gdn.fake_quant.f16_stage_scales`, each column's amax at 2^14), and the
+columns of ``w S`` and ``q S`` are multiplied back by the scales in f32. With ``store_h``, h is
+written in f32 from a second, f32 SMEM tile (double-buffered for its TMA store), so the staged
+tile is single-buffered; those f32 h tiles do not fit at K = block_v = 128. v_new and o stay f16
+(the update has no state operand). The channel forward with in-register reductions of the state
+(f16's staging scales, the QAT amax) has a single o tile (each step waits for the previous o
+store), so that K = block_v = 128 fits in SMEM with the reductions' scratch.
+
+Shared memory per gate shape: the scalar gate's forward holds q kᵀ's [C, C] tile and two o tiles,
+and forms v_new ⊙ e^{G_last − G} in the v_new tile once o is done with it (``store_h``: in a tile
+of its own); the channel forward holds one or two o tiles and updates the state from the v_new
+tile directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat as cp
+from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import (
+    CHUNK,
+    META_COLS,
+    LoopConfig,
+    check_meta,
+    chunk_offset,
+    load_state_row,
+    per_v_block_kernel,
+    segment_coords,
+    store_f32_tile,
+    store_final_state,
+    v_block_coords,
+)
+from pallas_kernels.gdn.fake_quant import STATE_QUANT, fake_quant_e4m3, stage_columns
+
+__all__ = ["ChunkFwdConfig", "chunk_fwd", "channel_chunk_fwd"]
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkFwdConfig(LoopConfig):
+    """Static configuration of :func:`chunk_fwd` and :func:`channel_chunk_fwd`:
+    :class:`~pallas_kernels._tiles.LoopConfig` (scale, block_v: 64 keeps the state carry at ~140
+    registers, no spills; segments) plus
+
+    Attributes:
+      store_h: backward recomputation mode: write h and v_new instead of o and the final state.
+      state_quant: QAT fake quantisation (FP8-E4M3, dynamic scale) of the state entering each
+        chunk, which both the chunk's products and its update then use: ``None`` (off),
+        ``"column"`` (one scale per V column, amax over K) or ``"matrix"`` (one per K×V state;
+        needs the whole state in one CTA, i.e. ``block_v == V``).
+    """
+
+    store_h: bool = False
+    state_quant: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.store_h, bool):
+            raise TypeError(f"{self.store_h=} must be a bool")
+        if self.state_quant is not None and self.state_quant not in STATE_QUANT:
+            raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
+
+
+def _fwd_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, packed: bool):
+    """The chunk loop of one CTA. ``channel``: decay per key channel (inputs qg, kg, w, u, Aqk,
+    e^{G_last}); else the scalar gate (inputs q, k, w, u, G; ``group`` value heads per key head).
+    """
+    C, BV = CHUNK, cfg.block_v
+    store_h = cfg.store_h
+    refs = list(refs)
+    if store_h:
+        h_g, vn_g = refs[-2:]
+    else:
+        o_g, ht_g = refs[-2:]
+    q_g = None if store_h else refs.pop(0)  # q, or qg
+    k_g, w_g, u_g = refs[:3]  # k (kg), w, u
+    a_g = None if store_h or not channel else refs.pop(3)  # Aqk
+    g_g, h0_g = refs[3:5]  # G [B, HV, T], or e^{G_last} [B, HV, T/64, K]
+    m_g = refs[5] if packed else None  # [NT, META_COLS] int32 per-chunk (reset, final) ids
+    if channel:
+        iv, hv, b, cols = v_block_coords(BV)
+        bs, c0, hk = b, 0, hv  # one unsplit lane per batch row; GVA expanded by the intra kernel
+    else:
+        iv, hv, _, cols = v_block_coords(BV)
+        # segments: this CTA runs chunks c0 … c0 + nt − 1 of batch row b; bs is its state row
+        b, bs, c0 = segment_coords(cfg.segments, nt)
+        hk = hv // group
+    at = lambda c: chunk_offset(c0, c)  # noqa: E731
+    K = k_g.shape[-1]
+    dt = k_g.dtype
+    n_groups = 2 if store_h else 1  # TMA store groups issued per step
+    # f16 io: the state is staged as f16 with one scale per column (its range is kept), and the
+    # backward's h is written in f32 (docs/design.md: never stage the state through plain f16)
+    scaled = dt == jnp.float16
+    o_single = channel and not store_h and (scaled or cfg.state_quant is not None)
+
+    def load_h0(h0_s, bar):
+        plgpu.copy_gmem_to_smem(h0_g.at[bs, hv, :, cols], h0_s, bar)
+        plgpu.barrier_wait(bar)
+        return cp.to_wgmma(h0_s[...])
+
+    if packed:  # every state is set by its sequence's first chunk
+        S0 = cp.to_wgmma(jnp.zeros((K, BV), f32))
+    else:
+        S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
+
+    def scoped(s_s, vn_s, *bufs):
+        # scalar gate: store_h: vd_s (+ the f32 h tiles with f16 io); forward: p_s, o_s, and
+        # v_dec reuses the v_new tile once o is done with it. Channel: store_h: the f32 h tiles
+        # with f16 io; forward: the o tile(s). Packed: the h0 / final-state tile and its barrier.
+        bufs = list(bufs)
+        st_s, st_bar = (bufs.pop(), bufs.pop())[::-1] if packed else (None, None)
+        p_s = vd_s = hf_s = o_s = None
+        if channel:
+            hf_s = bufs[0] if store_h and scaled else None
+            o_s = None if store_h else bufs[0]
+        elif store_h:
+            vd_s, hf_s = bufs[0], (bufs[1] if scaled else None)
+        else:
+            vd_s, p_s, o_s = vn_s, bufs[0], bufs[1]
+
+        def step(idx, *args):
+            *args, S = args
+            m_s = args.pop() if packed else None
+            q_s = None if store_h else args.pop(0)
+            k_s, w_s, u_s = args[:3]
+            a_s = args[3] if channel and not store_h else None
+            g_s = args[-1]
+            (c,) = idx
+            slot = lax.rem(c, 2)
+            if packed:  # packed sequences on one lane: a sequence's first chunk loads its h0
+                reset, fin = m_s[0], m_s[1]
+                S = load_state_row(reset, h0_g, hv, cols, st_s, st_bar, S)
+            if cfg.state_quant is not None:
+                # QAT: the carry becomes the quantised state; the products below, the decayed
+                # update and the stored h all use it (as the xla path does)
+                S = fake_quant_e4m3(S, STATE_QUANT[cfg.state_quant])
+            # the stores issued two steps ago (same slot) must have finished reading SMEM (one o
+            # tile: the previous step's o store too)
+            plgpu.wait_smem_to_gmem(0 if o_single else n_groups, wait_read_only=True)
+            # with f16 h is stored from the f32 tile, so the staged one is not a TMA source
+            s_ref = s_s.at[slot] if store_h and not scaled else s_s
+            vn_ref = vn_s.at[slot] if store_h else vn_s
+            unstage = stage_columns(S, s_ref, scaled)
+            if store_h and scaled:
+                hf_s.at[slot][...] = S
+            plgpu.commit_smem()
+            if store_h:
+                h_src = hf_s.at[slot] if scaled else s_ref
+                plgpu.copy_smem_to_gmem(h_src, h_g.at[b, at(c), hv, :, cols])
+            v_new = u_s[...].astype(f32) - unstage(cp.matmul(w_s, s_ref, (C, BV)))
+            if not channel:
+                g_r = cp.row_vec(g_s)
+                g_last = g_s[C - 1]
+            vn_ref[...] = v_new.astype(dt)
+            if not store_h and channel:
+                o_inter = unstage(cp.matmul(q_s, s_ref, (C, BV)))
+            elif not store_h:
+                row = cp.iota((C, C), 0)
+                col = cp.iota((C, C), 1)
+                causal = row >= col
+                g_c = cp.col_vec(g_s, C)
+                gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
+                qk = cp.matmul(q_s, k_s.T, (C, C))
+                p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)
+                p_s[...] = p.astype(dt)
+                o_inter = unstage(cp.matmul(q_s, s_ref, (C, BV)))
+                o_inter = o_inter * cp.bcast_rows(jnp.exp(g_r), (C, BV))
+            plgpu.commit_smem()
+            if store_h:
+                plgpu.copy_smem_to_gmem(vn_ref, vn_g.at[b, pl.ds(at(c) * C, C), hv, cols])
+            else:
+                intra = a_s if channel else p_s  # the causal, decayed q kᵀ of the chunk
+                o = (o_inter + cp.matmul(intra, vn_ref, (C, BV))) * cfg.scale
+                o_ref = o_s if o_single else o_s.at[slot]
+                o_ref[...] = o.astype(o_g.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_ref, o_g.at[b, pl.ds(at(c) * C, C), hv, cols])
+            if channel:
+                decay = cp.bcast_rows(cp.row_vec(g_s), (K, BV))
+                S = S * decay + cp.matmul(k_s.T, vn_ref, (K, BV))
+            else:
+                vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
+                vd_s[...] = vd.astype(dt)
+                plgpu.commit_smem()
+                S = S * jnp.exp(g_last) + cp.matmul(k_s.T, vd_s, (K, BV))
+            if packed and not store_h:  # a sequence's last chunk writes its final state
+                store_final_state(fin, S, st_s, ht_g, hv, cols)
+
+            return S
+
+        tile = lambda cols_: dict(dtype=dt, cols=cols_)
+        qk_spec = lambda: cp.block_spec((None, C, None, K), lambda c: (b, at(c), hk, 0), **tile(K))
+        specs = [] if store_h else [qk_spec()]  # q
+        specs += [
+            qk_spec(),  # k
+            cp.block_spec((None, C, None, K), lambda c: (b, at(c), hv, 0), **tile(K)),  # w
+            cp.block_spec((None, C, None, BV), lambda c: (b, at(c), hv, iv), **tile(BV)),  # u
+        ]
+        ins = (k_g, w_g, u_g) if store_h else (q_g, k_g, w_g, u_g)
+        if channel and not store_h:
+            specs.append(cp.block_spec((None, C, None, C), lambda c: (b, c, hv, 0), **tile(C)))
+            ins += (a_g,)
+        if channel:  # e^{G_last} per key channel
+            specs.append(cp.block_spec((None, None, None, K), lambda c: (b, hv, c, 0)))
+        else:  # G [B, HV, T]
+            specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
+        ins += (g_g,)
+        if packed:
+            specs.append(cp.block_spec((None, META_COLS), lambda c: (at(c), 0)))  # (reset, final)
+            ins += (m_g,)
+        S = plgpu.emit_pipeline(
+            step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=S0
+        )(*ins)
+        plgpu.wait_smem_to_gmem(0)
+        return S
+
+    nbuf = 2 if store_h else 1
+    s_shape = (nbuf, K, BV) if store_h and not scaled else (K, BV)
+    vn_shape = (nbuf, C, BV) if store_h else (C, BV)
+    h_tiles = (cp.smem((2, K, BV), f32),) if store_h and scaled else ()  # f16: h in f32
+    if store_h:
+        bufs = h_tiles if channel else (cp.smem((C, BV), dt), *h_tiles)
+    elif channel:
+        bufs = (cp.smem((C, BV) if o_single else (2, C, BV), dt),)
+    else:
+        bufs = (cp.smem((C, C), dt), cp.smem((2, C, BV), dt))
+    if packed:
+        bufs += (cp.smem((K, BV), f32), plgpu.Barrier())  # h0 / final state staging
+    S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), *bufs)
+    if not store_h and not packed:
+        store_f32_tile(S, ht_g.at[bs, hv, :, cols])
+
+
+def _check_shapes(config: ChunkFwdConfig, T: int, V: int) -> None:
+    if T % CHUNK or V % config.block_v:
+        raise ValueError(f"{T=}, {V=}, block_v={config.block_v}: T % 64 and V % block_v must be 0")
+
+
+def _check_state_quant(config: ChunkFwdConfig, V: int) -> None:
+    if config.state_quant == "matrix" and config.block_v != V:
+        raise NotImplementedError(
+            f"V={V}, block_v={config.block_v}: QAT state granularity 'matrix' needs the "
+            "whole K×V state in one CTA (block_v == V); use 'column' or block_v=V"
+        )
+
+
+def _check_packed(config: ChunkFwdConfig, meta) -> None:
+    if meta is not None and config.block_v == 128:
+        raise NotImplementedError("packed states with block_v=128: no SMEM for the state staging")
+
+
+def _launch(body_kw, ins, out_type, *, V, HV, rows, config, name):
+    def body(*refs):
+        _fwd_body(*refs, cfg=config, **body_kw)
+
+    fn = per_v_block_kernel(body, out_type, v_blocks=V // config.block_v, HV=HV, B=rows, name=name)
+    return fn(*ins)
+
+
+def chunk_fwd(
+    q: jax.Array | None,
+    k: jax.Array,
+    w: jax.Array,
+    u: jax.Array,
+    g_cum: jax.Array,
+    h0: jax.Array,
+    config: ChunkFwdConfig,
+    meta: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The chunk loop of the scalar gate (GDN).
+
+    Args:
+      q, k: [B, T, H, K] (q unused/None with ``store_h``); T a multiple of 64.
+      w: [B, T, HV, K]; u: [B, T, HV, V] (from :func:`pallas_kernels.gdn.intra.intra_chunk`).
+      g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
+      h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``). With
+        ``config.segments = S > 1`` (T/64 a multiple of S): [B·S, HV, K, V], the state entering
+        each segment (row b·S + j: segment j of batch row b); with ``meta`` the table rows that
+        column 0 names (every segment's first chunk must name one).
+      config: :class:`ChunkFwdConfig`.
+      meta: packed sequences on one lane (B == 1): [T/64, META_COLS] int32, column 0 the
+        sequence whose first chunk this is (its state is set to h0[that]) or -1, column 1 the
+        sequence whose last chunk this is (its end state is written to final[that]) or -1.
+    Returns:
+      Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
+      ``meta``, rows of sequences without chunks unwritten; [B·S, HV, K, V] with S segments and
+      no ``meta``: each segment's end state).
+      ``store_h``: (h [B, T/64, HV, K, V] in k.dtype (f32 for f16 io), the state entering each
+      chunk (after ``config.state_quant``); v_new [B, T, HV, V]).
+    Raises:
+      NotImplementedError: f16 ``store_h`` with block_v = 128 (the f32 h tiles and the decayed
+        v_new tile do not fit in SMEM); see also :func:`channel_chunk_fwd`; segments with the
+        QAT state quant (the segment map is not affine then).
+    """
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    _check_shapes(config, T, V)
+    if config.store_h and k.dtype == jnp.float16 and config.block_v == 128:
+        raise NotImplementedError("f16 with block_v=128: the f32 h tiles do not fit in SMEM")
+    _check_state_quant(config, V)
+    nt = T // CHUNK
+    packed = meta is not None
+    check_meta(meta, B, nt)
+    segs = config.segments
+    if nt % segs:
+        raise ValueError(f"{k.shape=}, segments={segs}: T / 64 must be a multiple of segments")
+    if segs > 1 and config.state_quant is not None:
+        raise NotImplementedError("segments > 1 with the QAT state quant (not an affine map)")
+    if segs > 1 and not packed and h0.shape[0] != B * segs:
+        raise ValueError(f"{h0.shape=}: with segments={segs} h0 needs B·segments = {B * segs} rows")
+    _check_packed(config, meta)
+    if config.store_h:
+        h_dtype = f32 if k.dtype == jnp.float16 else k.dtype
+        out_type = (
+            jax.ShapeDtypeStruct((B, nt, HV, K, V), h_dtype),
+            jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
+        )
+        ins = (k, w, u, g_cum, h0)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
+            jax.ShapeDtypeStruct(h0.shape if packed else (B * segs, HV, K, V), f32),
+        )
+        ins = (q, k, w, u, g_cum, h0)
+    ins += (meta,) if packed else ()
+    body_kw = dict(channel=False, group=HV // H, nt=nt // segs, packed=packed)
+    name = "gdn_chunk_h" if config.store_h else "gdn_chunk_fwd"
+    return _launch(body_kw, ins, out_type, V=V, HV=HV, rows=B * segs, config=config, name=name)
+
+
+def channel_chunk_fwd(
+    qg: jax.Array | None,
+    kg: jax.Array,
+    w: jax.Array,
+    u: jax.Array,
+    aqk: jax.Array | None,
+    decay_last: jax.Array,
+    h0: jax.Array,
+    config: ChunkFwdConfig,
+    meta: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The chunk loop of the decay per key channel (GDN2 / KDA).
+
+    Args:
+      qg, kg, w: [B, T, HV, K] (from :func:`pallas_kernels.channel.intra.channel_intra`);
+        qg unused/None with ``store_h``. T a multiple of 64.
+      u: [B, T, HV, V]; aqk: [B, T, HV, 64] (None with ``store_h``).
+      decay_last: [B, HV, T/64, K] f32, e^{G_last} per chunk and key channel.
+      h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``).
+      config: :class:`ChunkFwdConfig` (segments 1).
+      meta: packed sequences on one lane (B == 1): the table of :func:`chunk_fwd`.
+    Returns:
+      Default: (o [B, T, HV, V] in kg.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
+      ``meta``, rows of sequences without chunks unwritten).
+      ``store_h``: (h [B, T/64, HV, K, V] in kg.dtype (f32 for f16 io), the state entering each
+      chunk; v_new [B, T, HV, V] in kg.dtype).
+    Raises:
+      NotImplementedError: f16 io with ``store_h`` at K = block_v = 128 (the f32 h tiles do not
+        fit in shared memory; block_v = 64 does); ``meta`` with block_v = 128 (no shared memory
+        for the state staging tile); ``state_quant="matrix"`` with block_v < V (the state's
+        scale needs all of it in one CTA); segments > 1.
+    """
+    B, T, HV, K = kg.shape
+    V = u.shape[3]
+    _check_shapes(config, T, V)
+    f16 = kg.dtype == jnp.float16
+    if config.store_h and f16 and K * config.block_v > 128 * 64:
+        raise NotImplementedError(
+            f"f16 store_h with K={K}, block_v={config.block_v}: the two f32 [K, block_v] h tiles "
+            "do not fit in shared memory; use block_v=64"
+        )
+    _check_state_quant(config, V)
+    nt = T // CHUNK
+    if config.segments != 1:
+        raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
+    packed = meta is not None
+    check_meta(meta, B, nt)
+    _check_packed(config, meta)
+    if config.store_h:
+        out_type = (
+            jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if f16 else kg.dtype),
+            jax.ShapeDtypeStruct((B, T, HV, V), kg.dtype),
+        )
+        ins = (kg, w, u, decay_last, h0)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((B, T, HV, V), kg.dtype),
+            jax.ShapeDtypeStruct(h0.shape if packed else (B, HV, K, V), f32),
+        )
+        ins = (qg, kg, w, u, aqk, decay_last, h0)
+    ins += (meta,) if packed else ()
+    body_kw = dict(channel=True, group=1, nt=nt, packed=packed)
+    name = "chan_chunk_h" if config.store_h else "chan_chunk_fwd"
+    return _launch(body_kw, ins, out_type, V=V, HV=HV, rows=B, config=config, name=name)
