@@ -22,8 +22,8 @@ from gdn_cases import lowered_kernels, run_interpreted
 
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import META_COLS, LoopConfig
-from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.chunk_fwd import ChannelFwdConfig, channel_chunk_fwd
+from pallas_kernels.recurrence.bwd_dh import channel_bwd_dh
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 LOOPS = ("chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh")
