@@ -256,8 +256,8 @@ def bench_stages(s, x) -> dict:
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
     from pallas_kernels.gdn.bwd_wy import bwd_wy
-    from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
     from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
+    from pallas_kernels.recurrence.bwd_dh import chunk_bwd_dh
     from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
     bf = jnp.bfloat16
@@ -318,9 +318,9 @@ def bench_segment_stages(s, x, S: int) -> dict:
     forward loop, the state recomputation, the reverse segment pass and the reverse loop."""
     from gdn_jax.ops._segments import segment_end_cotangents, segment_starts
     from pallas_kernels._tiles import LoopConfig
-    from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
     from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
     from pallas_kernels.gdn.segment_state import segment_maps
+    from pallas_kernels.recurrence.bwd_dh import chunk_bwd_dh
     from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
     bf = jnp.bfloat16
@@ -379,10 +379,10 @@ def bench_channel_stages(s, x, variant) -> dict:
         lane_gate_cumsum,
     )
     from pallas_kernels._tiles import LoopConfig
-    from pallas_kernels.channel.bwd_dh import channel_bwd_dh
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
     from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
     from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
+    from pallas_kernels.recurrence.bwd_dh import channel_bwd_dh
     from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
     bf = jnp.bfloat16

@@ -340,8 +340,8 @@ def test_bad_segment_arguments():
         chunk_fwd(k, k, k, u, G, jnp.zeros((2, 1, 64, 64)), ChunkFwdConfig(segments=2))
     with pytest.raises(ValueError, match="rows"):
         chunk_fwd(k, k, k, u, G, jnp.zeros((1, 1, 64, 64)), ChunkFwdConfig(segments=3))
-    from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
     from pallas_kernels.gdn.segment_state import segment_maps
+    from pallas_kernels.recurrence.bwd_dh import chunk_bwd_dh
 
     with pytest.raises(ValueError, match="segments >= 2"):
         segment_maps(k, k, u, G, jnp.zeros((1, 1, 64, 64)), LoopConfig(segments=1))

@@ -7,7 +7,7 @@ docstring) and cotangents. Four launches plus small XLA glue:
 1. recompute h (state entering each chunk, QAT-quantised as in the forward) and v_new
                                             :func:`pallas_kernels.recurrence.chunk_fwd.channel_chunk_fwd`
 2. reverse state-gradient loop: dh per chunk, dv2 = dL/dv_new, dh0
-                                            :func:`pallas_kernels.channel.bwd_dh.channel_bwd_dh`
+                                            :func:`pallas_kernels.recurrence.bwd_dh.channel_bwd_dh`
 3. dq, dk (output/state parts), dw (WY), dG pieces, per chunk
                                             :func:`pallas_kernels.channel.bwd_dqkw.channel_bwd_dqkw`
 4. through the WY representation and A: dk, dv, dG, db, dw_gate (KDA: dβ), per chunk
@@ -27,11 +27,11 @@ import jax.numpy as jnp
 
 from gdn_jax.ops._pallas_common import zero_sequences_without_chunks
 from pallas_kernels._tiles import CHUNK, LoopConfig
-from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
 from pallas_kernels.channel.bwd_wy import channel_bwd_wy
 from pallas_kernels.channel.intra import reference_rows
 from pallas_kernels.channel.plan import ChannelPlan
+from pallas_kernels.recurrence.bwd_dh import channel_bwd_dh
 from pallas_kernels.recurrence.chunk_fwd import channel_chunk_fwd
 
 __all__ = ["channel_backward_pallas"]

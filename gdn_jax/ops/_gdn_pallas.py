@@ -53,9 +53,9 @@ from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
 from pallas_kernels.gdn.bwd_wy import bwd_wy
-from pallas_kernels.gdn.chunk_bwd_dh import chunk_bwd_dh
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 from pallas_kernels.gdn.segment_state import segment_maps
+from pallas_kernels.recurrence.bwd_dh import chunk_bwd_dh
 from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
 __all__ = ["gated_delta_rule_pallas", "PallasConfig"]

@@ -2,7 +2,8 @@
 (chunk, value head).
 
 With h = state entering the chunk, dh = gradient of the state at its end (both [K, V]), v_new and
-dv2 = dL/dv_new (from :mod:`bwd_dh`), and D_ij = e^{G_id − G_jd} per key channel (j ≤ i):
+dv2 = dL/dv_new (from :mod:`pallas_kernels.recurrence.bwd_dh`), and D_ij = e^{G_id − G_jd} per
+key channel (j ≤ i):
 
     dP   = scale (do v_newᵀ) ⊙ [j ≤ i]                               [C, C]
     dq   = scale e^{G} ⊙ (do hᵀ) + Σ_j dP_ij (k_j ⊙ D_ij)            (decayed "rows" product)

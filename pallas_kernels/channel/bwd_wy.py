@@ -3,7 +3,7 @@
 Forward (:mod:`pallas_kernels.channel.intra`): with bk = b ⊙ k (KDA: β_i k_i),
 ``w = A (bk ⊙ e^G)``, ``u = A (w_gate ⊙ v)`` (KDA: β_i v_i), ``A = (I + L)⁻¹`` and
 ``L_ij = Σ_d bk_id k_jd e^{G_id − G_jd}`` (i > j). Given dw (from :mod:`bwd_dqkw`) and
-du = dv2 (from :mod:`bwd_dh`, as two 16-bit terms hi + lo):
+du = dv2 (from :mod:`pallas_kernels.recurrence.bwd_dh`, as two 16-bit terms hi + lo):
 
     dA    = dw (bk ⊙ e^G)ᵀ + du (w_gate ⊙ v)ᵀ
     dkbg  = Aᵀ dw,   dwv = Aᵀ du

@@ -1,7 +1,7 @@
 """Backward stage: dq, dk, dw and the gate-gradient pieces of one chunk, one CTA per (chunk, head).
 
 With h = state entering the chunk, dh = gradient of the state at its end (both [K, V]), v_new and
-dv2 = dL/dv_new from :mod:`chunk_bwd_dh`, and Γ_ij = e^{G_i − G_j} [i ≥ j]:
+dv2 = dL/dv_new from :mod:`pallas_kernels.recurrence.bwd_dh`, and Γ_ij = e^{G_i − G_j} [i ≥ j]:
 
     ds  = scale (do v_newᵀ) ⊙ Γ                                   [C, C]
     dq  = scale e^{G} ⊙ (do hᵀ) + ds k

@@ -2,7 +2,8 @@
 
 Forward (see :mod:`intra`): ``w = A diag(β e^G) k``, ``u = A diag(β) v``, ``A = (I + L)⁻¹`` with
 ``L_ij = β_i (k_i·k_j) e^{G_i − G_j}`` for i > j. Given dw (from :mod:`bwd_dqkw`) and du = dv2
-(from :mod:`chunk_bwd_dh`, f32, split into two 16-bit terms for the tensor cores):
+(from :mod:`pallas_kernels.recurrence.bwd_dh`, f32, split into two 16-bit terms for the tensor
+cores):
 
     dA     = dw (β e^G k)ᵀ + dv2 (β v)ᵀ
     dkbg   = Aᵀ dw,  dvb = Aᵀ dv2

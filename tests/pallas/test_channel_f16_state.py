@@ -1,6 +1,6 @@
 """f16 io in the channel-decay state loops: ``channel_chunk_fwd`` (forward and ``store_h``,
 :mod:`pallas_kernels.recurrence.chunk_fwd`) and ``channel_bwd_dh``
-(:mod:`pallas_kernels.channel.bwd_dh`).
+(:mod:`pallas_kernels.recurrence.bwd_dh`).
 
 With f16 io the f32 state S (forward) and state gradient dH (backward) are staged as the f16 B
 operand of their products with one scale per V column (docs/design.md: never through plain f16, max
@@ -33,8 +33,8 @@ from gdn_jax.ops import _channel_pallas as cpm
 from gdn_jax.testing import rel_rms
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import LoopConfig
-from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.intra import reference_rows
+from pallas_kernels.recurrence.bwd_dh import channel_bwd_dh
 from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
 f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16

@@ -20,8 +20,8 @@ from test_channel_pallas_bwd import _kernel_inputs, kernel_refs
 
 from gdn_jax.testing import rel_rms
 from pallas_kernels import _compat as pk
-from pallas_kernels.channel.bwd_dh import channel_bwd_dh
 from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
+from pallas_kernels.recurrence.bwd_dh import channel_bwd_dh
 
 f32 = jnp.float32
 OUTS = ("dq", "dk", "dwk", "dG")  # channel_bwd_dqkw's outputs, in order

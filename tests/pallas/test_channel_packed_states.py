@@ -22,7 +22,7 @@ from gdn_cases import lowered_kernels, run_interpreted
 
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import META_COLS, LoopConfig
-from pallas_kernels.channel.bwd_dh import channel_bwd_dh
+from pallas_kernels.recurrence.bwd_dh import channel_bwd_dh
 from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16

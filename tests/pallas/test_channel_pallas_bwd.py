@@ -355,9 +355,9 @@ def _kernel_outputs(x, scale, k_split=False):
     """bwd_dh, then bwd_dqkw on its dh/dv2, then bwd_wy on their dw/dv2 (``k_split``: the K-split
     forms of both, K = 128)."""
     from pallas_kernels._tiles import LoopConfig
-    from pallas_kernels.channel.bwd_dh import channel_bwd_dh
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
     from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
+    from pallas_kernels.recurrence.bwd_dh import channel_bwd_dh
 
     dh, dvh, dvl, dh0 = channel_bwd_dh(
         x["qg"], x["kg"], x["wk"], x["do"], x["aqk"], jnp.exp(x["gl"]), x["dht"],
