@@ -303,12 +303,31 @@ def _check_packed(config: ChunkFwdConfig, meta) -> None:
         raise NotImplementedError("packed states with block_v=128: no SMEM for the state staging")
 
 
-def _launch(body_kw, ins, out_type, *, V, HV, rows, config, name):
+def _launch(ins, meta, config: ChunkFwdConfig, *, rows: int, name: str, **body_kw):
+    """Runs the loop on its inputs ``ins`` (keys, w, u [B, T, HV, V], ..., h0 last; keys
+    [B, T, ·, K] are ``ins[0]`` with ``store_h``, else ``ins[1]``) on ``rows`` lanes
+    (B · segments)."""
+    keys = ins[0] if config.store_h else ins[1]
+    u, h0 = ins[2 if config.store_h else 3], ins[-1]
+    B, T, _, K = keys.shape
+    HV, V = u.shape[2], u.shape[3]
+    dt = keys.dtype
+    if config.store_h:
+        out_type = (
+            jax.ShapeDtypeStruct((B, T // CHUNK, HV, K, V), f32 if dt == jnp.float16 else dt),
+            jax.ShapeDtypeStruct((B, T, HV, V), dt),
+        )
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((B, T, HV, V), dt),
+            jax.ShapeDtypeStruct(h0.shape if meta is not None else (rows, HV, K, V), f32),
+        )
+
     def body(*refs):
-        _fwd_body(*refs, cfg=config, **body_kw)
+        _fwd_body(*refs, cfg=config, packed=meta is not None, **body_kw)
 
     fn = per_v_block_kernel(body, out_type, v_blocks=V // config.block_v, HV=HV, B=rows, name=name)
-    return fn(*ins)
+    return fn(*ins, *(() if meta is None else (meta,)))
 
 
 def chunk_fwd(
@@ -363,23 +382,10 @@ def chunk_fwd(
     if segs > 1 and not packed and h0.shape[0] != B * segs:
         raise ValueError(f"{h0.shape=}: with segments={segs} h0 needs B·segments = {B * segs} rows")
     _check_packed(config, meta)
-    if config.store_h:
-        h_dtype = f32 if k.dtype == jnp.float16 else k.dtype
-        out_type = (
-            jax.ShapeDtypeStruct((B, nt, HV, K, V), h_dtype),
-            jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
-        )
-        ins = (k, w, u, g_cum, h0)
-    else:
-        out_type = (
-            jax.ShapeDtypeStruct((B, T, HV, V), k.dtype),
-            jax.ShapeDtypeStruct(h0.shape if packed else (B * segs, HV, K, V), f32),
-        )
-        ins = (q, k, w, u, g_cum, h0)
-    ins += (meta,) if packed else ()
-    body_kw = dict(channel=False, group=HV // H, nt=nt // segs, packed=packed)
+    ins = (k, w, u, g_cum, h0) if config.store_h else (q, k, w, u, g_cum, h0)
     name = "gdn_chunk_h" if config.store_h else "gdn_chunk_fwd"
-    return _launch(body_kw, ins, out_type, V=V, HV=HV, rows=B * segs, config=config, name=name)
+    body_kw = dict(channel=False, group=HV // H, nt=nt // segs)
+    return _launch(ins, meta, config, rows=B * segs, name=name, **body_kw)
 
 
 def channel_chunk_fwd(
@@ -427,22 +433,8 @@ def channel_chunk_fwd(
     nt = T // CHUNK
     if config.segments != 1:
         raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
-    packed = meta is not None
     check_meta(meta, B, nt)
     _check_packed(config, meta)
-    if config.store_h:
-        out_type = (
-            jax.ShapeDtypeStruct((B, nt, HV, K, V), f32 if f16 else kg.dtype),
-            jax.ShapeDtypeStruct((B, T, HV, V), kg.dtype),
-        )
-        ins = (kg, w, u, decay_last, h0)
-    else:
-        out_type = (
-            jax.ShapeDtypeStruct((B, T, HV, V), kg.dtype),
-            jax.ShapeDtypeStruct(h0.shape if packed else (B, HV, K, V), f32),
-        )
-        ins = (qg, kg, w, u, aqk, decay_last, h0)
-    ins += (meta,) if packed else ()
-    body_kw = dict(channel=True, group=1, nt=nt, packed=packed)
+    ins = (kg, w, u, decay_last, h0) if config.store_h else (qg, kg, w, u, aqk, decay_last, h0)
     name = "chan_chunk_h" if config.store_h else "chan_chunk_fwd"
-    return _launch(body_kw, ins, out_type, V=V, HV=HV, rows=B, config=config, name=name)
+    return _launch(ins, meta, config, rows=B, name=name, channel=True, group=1, nt=nt)
