@@ -218,21 +218,45 @@ def run_ours(args, setting: str, batch: int, seq: int) -> dict:
     )
 
 
-def bind_fla(smoke: bool) -> str:
-    """Makes FLA's kernels available to transformers (or, in smoke mode, unavailable); what was
-    done, for the output. Call before importing transformers."""
+def bind_fla(smoke: bool) -> tuple[str, list[int] | None]:
+    """Makes transformers' Qwen3.5 GDN layer call FLA's chunked kernel (or, in smoke mode, its
+    PyTorch reference); what was done, for the output, and a one-element list that counts the
+    kernel's calls (None without FLA). Call before importing transformers.
+
+    transformers picks FLA up by itself, but under ``torch.compile`` (torch 2.11, transformers
+    5.17) its kernel-hub wrapper is traced into the PyTorch reference of the chunked rule: the
+    compiled step ran thousands of small per-chunk matmuls and no FLA kernel. So the module's
+    ``torch_chunk_gated_delta_rule`` is replaced by FLA's function here, outside any graph
+    (``torch.compiler.disable``, as FLA itself declares it), and the step checks the call count.
+    """
     if smoke:
         sys.modules["fla"] = None  # transformers' availability check then finds no FLA
-        return "FLA not used (smoke)"
+        return "FLA not used (smoke)", None
     try:
         import fla
         import fla.ops.common.chunk_o as fla_chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as e:
-        return f"FLA does not import ({e}): transformers' PyTorch fallbacks"
+        return f"FLA does not import ({e}): transformers' PyTorch fallbacks", None
+    import inspect
+
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
     fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: FLA refuses its gated bwd on Triton<3.7.1
     print("NOTE: fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True (FLA's gated backward forced on "
           "for timing; Triton < 3.7.1)", flush=True)  # fmt: skip
-    return f"fla {getattr(fla, '__version__', '?')}, gated backward forced on (TRITON_ABOVE_3_7_1)"
+    accepted = set(inspect.signature(chunk_gated_delta_rule).parameters)
+    calls = [0]
+
+    @torch.compiler.disable
+    def fla_chunk_rule(*args, **kwargs):
+        calls[0] += 1
+        return chunk_gated_delta_rule(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+
+    modeling_qwen3_5.torch_chunk_gated_delta_rule = fla_chunk_rule
+    note = f"fla {getattr(fla, '__version__', '?')}, gated backward forced on (TRITON_ABOVE_3_7_1)"
+    return note, calls
 
 
 def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no cover - torch
@@ -240,7 +264,7 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a local config.json
-    fla_note = bind_fla(args.smoke)
+    fla_note, fla_calls = bind_fla(args.smoke)
     import numpy as np
     import torch
     import transformers
@@ -297,8 +321,15 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() * 2.0**-30 if device == "cuda" else None
     top = profile_top_kernels(step, args.torch_profile) if args.torch_profile else None
+    steps = TORCH_WARMUP + args.iters + bool(args.torch_profile)
+    gdn_layers = cfg.layer_types.count("linear_attention")
+    if fla_calls is not None and fla_calls[0] != steps * gdn_layers:
+        raise RuntimeError(f"FLA's chunked kernel ran {fla_calls[0]} times in {steps} steps of "
+                           f"{gdn_layers} GDN layers: the torch stack did not run FLA")  # fmt: skip
     return dict(
         top_kernels=top,
+        step_times_ms=[round(1e3 * t, 2) for t in times],
+        dynamo=dynamo_summary() if compiled else None,
         step_ms=1e3 * float(np.median(times)),
         peak_gib=peak,
         compile_s=warmup_s,
@@ -308,6 +339,19 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
         fla=fla_note,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
         versions=dict(torch=torch.__version__, transformers=transformers.__version__),
+    )
+
+
+def dynamo_summary() -> dict:  # pragma: no cover - torch
+    """What ``torch.compile`` made of the step: its graph and recompile counts and the most
+    frequent graph-break reasons (a compiled step slower than eager is explained here)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return dict(
+        stats={k: v for k, v in counters["stats"].items()},
+        recompiles=sum(counters["recompiles"].values()) if "recompiles" in counters else None,
+        graph_breaks=[(r.split("\n")[0][:160], n) for r, n in breaks.most_common(6)],
     )
 
 
@@ -484,6 +528,10 @@ def main(argv=None) -> list[dict]:
                     print(f"  {what} {case}: {r['step_ms']:.1f} ms, peak "
                           f"{r['peak_gib'] or 0:.1f} GiB, {time.perf_counter() - t0:.0f} s in "
                           "all", flush=True)  # fmt: skip
+                    if r.get("step_times_ms"):
+                        print(f"      step times (ms): {r['step_times_ms']}", flush=True)
+                    if r.get("dynamo"):
+                        print(f"      torch.compile: {r['dynamo']}", flush=True)
                     for name, ms, calls in r.get("top_kernels") or ():
                         print(f"      {ms:9.2f} ms {calls:6d}x  {name}", flush=True)
                     if "fla" in r:
