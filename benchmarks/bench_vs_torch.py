@@ -17,8 +17,10 @@ all ``B * T`` positions):
   ``torch.cuda.max_memory_allocated()``.
 
 Every (case, stack) runs in its own process, so device memory, allocator peaks and compile
-caches never mix. Times are medians of ``--iters`` steps after warm-up steps (ours: one; torch:
-two, for Triton autotuning and ``torch.compile``).
+caches never mix. After warm-up steps (ours: one; torch: two, for Triton autotuning and
+``torch.compile``) each stack runs ``--iters`` steps back to back with one sync at the end, as a
+training loop does: ``step_ms`` is their mean. Then ``--iters`` more steps each blocked until done:
+``*_synced_ms`` (their median) adds the host's time to prepare a step to every step.
 
 FLOPs of one step (:func:`train_flops`; model FLOPs, no recomputation counted), per token::
 
@@ -197,7 +199,6 @@ def train_flops(config, batch: int, seq: int, *, chunk: int | None = None) -> di
 
 def run_ours(args, setting: str, batch: int, seq: int) -> dict:
     import jax
-    import numpy as np
 
     from benchmarks.bench_model import build_step, peak_gib, time_step
 
@@ -207,7 +208,8 @@ def run_ours(args, setting: str, batch: int, seq: int) -> dict:
     times, s, loss = time_step(s, args.iters)
     gib = 2.0**-30
     return dict(
-        step_ms=1e3 * float(np.median(times)),
+        step_ms=1e3 * times.pipelined_s,
+        step_synced_ms=1e3 * times.synced_s,
         peak_gib=peak_gib(),
         compile_s=s.compile_s,
         device_temp_gib=getattr(ma, "temp_size_in_bytes", 0) * gib,
@@ -307,30 +309,37 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
         return loss
 
     t0 = time.perf_counter()
     for _ in range(TORCH_WARMUP):  # torch.compile, Triton autotuning
         step()
+    sync()
     warmup_s = time.perf_counter() - t0
-    times = []
+    # As bench_model.time_step: iters steps back to back with one sync, then iters synced ones.
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        loss = step()
+    sync()
+    pipelined_s = (time.perf_counter() - t0) / args.iters
+    synced = []
     for _ in range(args.iters):
         t0 = time.perf_counter()
         loss = step()
-        times.append(time.perf_counter() - t0)
+        sync()
+        synced.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() * 2.0**-30 if device == "cuda" else None
     top = profile_top_kernels(step, args.torch_profile) if args.torch_profile else None
-    steps = TORCH_WARMUP + args.iters + bool(args.torch_profile)
+    steps = TORCH_WARMUP + 2 * args.iters + bool(args.torch_profile)
     gdn_layers = cfg.layer_types.count("linear_attention")
     if fla_calls is not None and fla_calls[0] != steps * gdn_layers:
         raise RuntimeError(f"FLA's chunked kernel ran {fla_calls[0]} times in {steps} steps of "
                            f"{gdn_layers} GDN layers: the torch stack did not run FLA")  # fmt: skip
     return dict(
         top_kernels=top,
-        step_times_ms=[round(1e3 * t, 2) for t in times],
+        step_synced_ms=1e3 * float(np.median(synced)),
         dynamo=dynamo_summary() if compiled else None,
-        step_ms=1e3 * float(np.median(times)),
+        step_ms=1e3 * pipelined_s,
         peak_gib=peak,
         compile_s=warmup_s,
         loss=float(loss),
@@ -365,6 +374,8 @@ def profile_top_kernels(step, n: int) -> list[tuple[str, float, int]]:  # pragma
     acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         step()
+        if cuda:
+            torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
         us = e.device_time_total if cuda else e.self_cpu_time_total
@@ -442,8 +453,11 @@ def make_rows(args, config, results: dict) -> list[dict]:
                 preset=args.preset, layers=config.num_layers, batch=batch, seq=seq,
                 setting=f"bf16+{setting}", gpu=None, step_ms=r["step_ms"],
                 tokens_s=batch * seq / step_s, mfu=flops / step_s / PEAK_FLOPS,
+                step_synced_ms=r.get("step_synced_ms"),
                 peak_gib=r["peak_gib"], torch_eager_ms=eager.get("step_ms"),
                 torch_compile_ms=comp.get("step_ms"),
+                torch_eager_synced_ms=eager.get("step_synced_ms"),
+                torch_compile_synced_ms=comp.get("step_synced_ms"),
                 torch_eager_peak_gib=eager.get("peak_gib"),
                 torch_compile_peak_gib=comp.get("peak_gib"), flops=flops,
                 compile_s=r["compile_s"], device_temp_gib=r["device_temp_gib"],
@@ -528,8 +542,7 @@ def main(argv=None) -> list[dict]:
                     print(f"  {what} {case}: {r['step_ms']:.1f} ms, peak "
                           f"{r['peak_gib'] or 0:.1f} GiB, {time.perf_counter() - t0:.0f} s in "
                           "all", flush=True)  # fmt: skip
-                    if r.get("step_times_ms"):
-                        print(f"      step times (ms): {r['step_times_ms']}", flush=True)
+                    print(f"      each step synced: {r['step_synced_ms']:.1f} ms", flush=True)
                     if r.get("dynamo"):
                         print(f"      torch.compile: {r['dynamo']}", flush=True)
                     for name, ms, calls in r.get("top_kernels") or ():

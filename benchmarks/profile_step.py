@@ -243,7 +243,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--setting", default="bf16+none", help="bench_model setting")
     p.add_argument("--implementation", default=None, help="default: pallas on a GPU, else xla")
-    p.add_argument("--steps", type=int, default=3, help="steps traced")
+    p.add_argument(
+        "--steps", type=int, default=3, help="steps timed each way (bench_model.time_step)"
+    )
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--trace-dir", default=None, help="default: a temporary folder")
     p.add_argument("--json", default="auto", help="results file: auto, PATH, none")
@@ -270,12 +272,12 @@ def main(argv=None) -> list[dict]:
     if args.hlo:
         Path(args.hlo).write_text(hlo)
     ops = hlo_ops(hlo)
-    wall, s, _ = time_step(s, 1)  # warm-up, then one untraced step
+    wall, s, _ = time_step(s, 1)  # untraced
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(args.trace_dir or tmp)
         t0 = time.perf_counter()
         with jax.profiler.trace(str(trace_dir)):
-            _, s, _ = time_step(s, args.steps)
+            traced, s, _ = time_step(s, args.steps)
         traced_s = time.perf_counter() - t0
         files = sorted(trace_dir.rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
         if not files:
@@ -287,14 +289,13 @@ def main(argv=None) -> list[dict]:
                 with opener(args.xspace, "wb") as dst:
                     shutil.copyfileobj(src, dst)
     _, joined = join(times, ops)
-    # time_step runs one warm-up step before the timed ones: steps + 1 steps were traced.
-    rows = summarise(times, ops, args.steps + 1, args.top)
+    rows = summarise(times, ops, traced.steps, args.top)
     for r in rows:
         r.update(preset=args.preset, layers=config.num_layers, batch=args.batch, seq=args.seq,
                  setting=args.setting)  # fmt: skip
     print(f"{jax.devices()[0].device_kind}: {args.preset} B{args.batch} T{args.seq} "
-          f"{args.setting} ({impl}); step {1e3 * wall[0]:.1f} ms untraced, "
-          f"{1e3 * traced_s / (args.steps + 1):.1f} ms traced; device time "
+          f"{args.setting} ({impl}); step {1e3 * wall.pipelined_s:.1f} ms untraced, "
+          f"{1e3 * traced_s / traced.steps:.1f} ms traced; device time "
           f"{rows[0]['ms']:.1f} ms/step, {joined:.0%} of it on ops of the step's HLO")  # fmt: skip
     print(table(rows))
     results.write(results.output_path(args.json, "profile"), "profile", rows, date=date)
