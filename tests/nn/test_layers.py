@@ -43,6 +43,47 @@ def test_short_conv_tail_continues_a_sequence():
         conv(jnp.zeros((1, 4, 7)))
 
 
+def _taps_by_autodiff(w, xp, keep, activation):
+    """The conv as plain jnp ops (JAX differentiates them): xp [B, T + W - 1, C]."""
+    T = xp.shape[1] - w.shape[0] + 1
+    y = sum(jnp.where(keep[None, :, j, None], xp[:, j : j + T] * w[j], 0.0) for j in range(len(w)))
+    return y if activation is None else activation(y)
+
+
+@pytest.mark.parametrize("case", ["dense", "packed", "tail", "no_activation"])
+def test_short_conv_gradients_match_autodiff_of_the_taps(case):
+    """ShortConv's own backward (it recomputes the pre-activation from the inputs) against JAX's
+    gradient of the same taps, for the weights, the inputs and the decode tail."""
+    activation = None if case == "no_activation" else jax.nn.silu
+    conv = ShortConv(6, kernel_size=4, activation=activation, rngs=nnx.Rngs(2))
+    graphdef, state = nnx.split(conv)
+    B, T, W = (1 if case == "packed" else 2), 17, 4
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(ks[0], (B, T, 6))
+    tail = jax.random.normal(ks[1], (B, W - 1, 6)) if case == "tail" else None
+    ct = jax.random.normal(ks[2], (B, T, 6))
+    cu = jnp.asarray([0, 3, 3, 10, 17], jnp.int32) if case == "packed" else None
+    keep = jnp.ones((T, W), bool)
+    if cu is not None:  # tap j reads t - (W - 1 - j): kept inside t's sequence
+        seq_start = np.asarray([0, 0, 0, 3, 3, 3, 3, 3, 3, 3, 10, 10, 10, 10, 10, 10, 10])
+        keep = jnp.asarray(np.arange(T)[:, None] - (W - 1 - np.arange(W)) >= seq_start[:, None])
+
+    def ours(state, x, tail):
+        return jnp.sum(nnx.merge(graphdef, state)(x, cu_seqlens=cu, tail=tail) * ct)
+
+    def reference(state, x, tail):
+        lead = jnp.zeros((B, W - 1, 6)) if tail is None else tail
+        xp = jnp.concatenate([lead, x], axis=1)
+        return jnp.sum(_taps_by_autodiff(state["weight"][...], xp, keep, activation) * ct)
+
+    argnums = (0, 1, 2) if tail is not None else (0, 1)
+    got = jax.jit(jax.grad(ours, argnums))(state, x, tail)
+    want = jax.grad(reference, argnums)(state, x, tail)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(jax.tree.leaves(got)[0]).max()) > 0.1  # a weight gradient, not zeros
+
+
 def test_norms():
     x = np.random.default_rng(0).normal(size=(3, 8))
     z = np.random.default_rng(1).normal(size=(3, 8))
