@@ -153,76 +153,6 @@ def _uniform_fan_in(fan_in: int) -> Initializer:
     return init
 
 
-def _conv_taps(xp: jax.Array, w: jax.Array, keep: jax.Array | None, length: int) -> jax.Array:
-    """``sum_j w[j] * xp[:, t + j]`` (tap j dropped where ``keep[t, j]`` is False) for t in
-    [0, length), in f32: xp [B, >= length + W - 1, C], w [W, C] f32, keep [length, W] or None."""
-    out = None
-    for j in range(w.shape[0]):
-        tap = xp[:, j : j + length].astype(jnp.float32) * w[j]
-        if keep is not None:
-            tap = jnp.where(keep[None, :, j, None], tap, 0.0)
-        out = tap if out is None else out + tap
-    return out
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _causal_conv(xp, w, keep, activation, dtype):
-    """``activation(_conv_taps(xp, w, keep))`` in ``dtype``: xp [B, T + W - 1, C] (the W - 1
-    preceding inputs first), w [W, C] f32, keep [T, W] bool or None -> [B, T, C].
-
-    The backward recomputes the pre-activation from ``xp`` (the only saved activation) wherever
-    it needs it instead of storing its gradient: each of the two gradient passes (inputs,
-    weights) reads ``xp`` and the output gradient once and can fuse into one XLA kernel, where
-    autodiff of the taps writes the f32 pre-activation gradient and sums one padded copy per tap.
-    """
-    y = _conv_taps(xp, w, keep, xp.shape[1] - w.shape[0] + 1)
-    return (y if activation is None else activation(y)).astype(dtype)
-
-
-def _causal_conv_fwd(xp, w, keep, activation, dtype):
-    return _causal_conv(xp, w, keep, activation, dtype), (xp, w, keep)
-
-
-def _causal_conv_bwd(activation, dtype, residuals, dy):
-    del dtype
-    xp, w, keep = residuals
-    W, T = w.shape[0], dy.shape[1]
-    P, L = W - 1, xp.shape[1]  # L = T + W - 1: the length of xp and of its gradient
-    dy = dy.astype(jnp.float32)
-
-    def pre_grad(xp, dy, keep, length):
-        """The pre-activation's gradient at the ``length`` positions of the window ``dy``."""
-        pre = _conv_taps(xp, w, keep, length)
-        return dy if activation is None else jax.vjp(activation, pre)[1](dy)[0]
-
-    # dxp[s] = sum_j w[j] * g[s - j] (tap j kept at s - j): the pre-activation gradient g at
-    # t = s - j is recomputed from windows of xp, dy and keep zero-padded by W - 1 on each side,
-    # so that no array of g is written.
-    pad = lambda a: jnp.pad(a, ((0, 0), (P, P), (0, 0)))
-    xpp, dyp = pad(xp), pad(dy)
-    keepp = None if keep is None else jnp.pad(keep, ((P, P), (0, 0)), constant_values=False)
-    dxp = None
-    for j in range(W):
-        o = P - j  # window start in the padded arrays: window position s is token t = s - j
-        kw = None if keepp is None else keepp[o : o + L]
-        g = pre_grad(xpp[:, o : o + L + P], dyp[:, o : o + L], kw, L)
-        if kw is not None:
-            g = jnp.where(kw[None, :, j, None], g, 0.0)
-        dxp = g * w[j] if dxp is None else dxp + g * w[j]
-    # dw[j] = sum over batch and time of g[t] * xp[t + j] (tap j kept at t).
-    g = pre_grad(xp, dy, keep, T)
-    taps = []
-    for j in range(W):
-        x_j = xp[:, j : j + T].astype(jnp.float32)
-        if keep is not None:
-            x_j = jnp.where(keep[None, :, j, None], x_j, 0.0)
-        taps.append(jnp.sum(g * x_j, axis=(0, 1)))
-    return dxp.astype(xp.dtype), jnp.stack(taps), None
-
-
-_causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
-
-
 class ShortConv(nnx.Module):
     """Depthwise causal 1-D convolution over time followed by an activation (SiLU by default).
 
@@ -279,13 +209,23 @@ class ShortConv(nnx.Module):
             raise ValueError(f"{tail.shape=}: expected {(B, W - 1, C)}")
         else:
             xp = jnp.concatenate([_like(tail.astype(x.dtype), x), x], axis=1)
-        keep = None
-        if cu_seqlens is not None:
-            # Tap j reads token t - (W - 1 - j); dropped where that precedes t's sequence start.
-            start = sequence_starts(cu_seqlens, T)[:, None]
-            keep = jnp.arange(T)[:, None] - (W - 1 - jnp.arange(W)) >= start
+        dtype = self.dtype or x.dtype
         w = self.weight[...].astype(jnp.float32)
-        return _causal_conv(xp, w, keep, self.activation, jnp.dtype(self.dtype or x.dtype))
+        xp = xp.astype(jnp.float32)
+        if cu_seqlens is not None:
+            start = sequence_starts(cu_seqlens, T)
+            t = jnp.arange(T)
+        y = jnp.zeros((B, T, C), jnp.float32)
+        for j in range(W):
+            tap = xp[:, j : j + T] * w[j]
+            if cu_seqlens is not None:
+                # Tap j reads token t - (W - 1 - j); drop it if it precedes this sequence's start.
+                keep = (t - (W - 1 - j)) >= start
+                tap = jnp.where(keep[None, :, None], tap, 0.0)
+            y = y + tap
+        if self.activation is not None:
+            y = self.activation(y)
+        return y.astype(dtype)
 
     def next_tail(self, x: jax.Array, tail: jax.Array) -> jax.Array:
         """The last ``kernel_size - 1`` inputs after appending ``x`` [B, T, C] to ``tail``."""

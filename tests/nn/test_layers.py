@@ -52,8 +52,8 @@ def _taps_by_autodiff(w, xp, keep, activation):
 
 @pytest.mark.parametrize("case", ["dense", "packed", "tail", "no_activation"])
 def test_short_conv_gradients_match_autodiff_of_the_taps(case):
-    """ShortConv's own backward (it recomputes the pre-activation from the inputs) against JAX's
-    gradient of the same taps, for the weights, the inputs and the decode tail."""
+    """ShortConv's gradients (weights, inputs, decode tail) against JAX's gradient of the taps
+    written out with an independently built mask of packed sequences."""
     activation = None if case == "no_activation" else jax.nn.silu
     conv = ShortConv(6, kernel_size=4, activation=activation, rngs=nnx.Rngs(2))
     graphdef, state = nnx.split(conv)
