@@ -241,8 +241,10 @@ def model_section(doc: dict) -> list[str]:
     out = [
         "## Model train step",
         "",
-        "One AdamW step (f32 parameters, bf16 compute) of the hybrid LM, median over the run's "
-        "steps after a warm-up, each setting in its own process. Settings "
+        "One AdamW step (f32 parameters, bf16 compute) of the hybrid LM after a warm-up, each "
+        "setting in its own process: the mean of steps dispatched back to back, as a training "
+        "loop runs them (`bench_model.time_step`; the JSON's `step_synced_ms`: the median of "
+        "steps each blocked until done); rows without `step_synced_ms` are that median. Settings "
         "`<projections>+<remat policy>[+overlap]` (`bench_model.py`); memory from XLA's "
         "compiled memory analysis (device / host temp) and the device's peak bytes in use. "
         "The PyTorch columns (`bench_vs_torch.py`: transformers' `Qwen3_5ForCausalLM` with "
