@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -141,35 +142,44 @@ def build_step(
 
 
 class StepTimes(NamedTuple):
-    """Seconds per step, two ways (:func:`time_step`), and the steps run, the warm-up included."""
+    """Seconds per step, two ways (:func:`time_calls`), and the steps run, warm-up included."""
 
     pipelined_s: float
     synced_s: float
     steps: int
 
 
-def time_step(s: TrainStep, iters: int) -> tuple[StepTimes, TrainStep, float]:
-    """Step times after one warm-up step, the step with its updated state, and the last loss.
-
-    ``pipelined_s``: ``iters`` steps dispatched back to back, one sync at the end, as a training
-    loop runs them: the host prepares step i + 1 (flattening the state's arrays, launching the
-    kernels) while the device still runs step i. ``synced_s``: the median of ``iters`` more
-    steps, each blocked until done, which adds that host time to every step.
-    """
-    params, opt_state, loss = s.compiled(s.params, s.opt_state, s.tokens)  # warm-up
-    jax.block_until_ready(loss)
+def time_calls(call: Callable[[], Any], wait: Callable[[Any], Any], iters: int):
+    """Seconds per ``call()``, two ways: the mean of ``iters`` calls dispatched back to back with
+    one ``wait`` on the last result, as a training loop runs steps (the host prepares call i + 1
+    while the device still runs call i), and the median of ``iters`` more calls, each waited
+    for, which adds the host's time to prepare a call to every call."""
     t0 = time.perf_counter()
     for _ in range(iters):
-        params, opt_state, loss = s.compiled(params, opt_state, s.tokens)
-    jax.block_until_ready(loss)
-    pipelined = (time.perf_counter() - t0) / iters
+        out = call()
+    wait(out)
+    back_to_back = (time.perf_counter() - t0) / iters
     synced = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        params, opt_state, loss = s.compiled(params, opt_state, s.tokens)
-        jax.block_until_ready(loss)
+        wait(call())
         synced.append(time.perf_counter() - t0)
-    times = StepTimes(pipelined, float(np.median(synced)), 1 + 2 * iters)
+    return back_to_back, float(np.median(synced))
+
+
+def time_step(s: TrainStep, iters: int) -> tuple[StepTimes, TrainStep, float]:
+    """Step times (:func:`time_calls`) after one warm-up step, the step with its updated state,
+    and the last loss."""
+    state = s.compiled(s.params, s.opt_state, s.tokens)  # warm-up
+    jax.block_until_ready(state)
+
+    def call():
+        nonlocal state
+        state = s.compiled(state[0], state[1], s.tokens)
+        return state
+
+    times = StepTimes(*time_calls(call, jax.block_until_ready, iters), 1 + 2 * iters)
+    params, opt_state, loss = state
     return times, s._replace(params=params, opt_state=opt_state), float(loss)
 
 

@@ -225,9 +225,9 @@ def bind_fla(smoke: bool) -> tuple[str, list[int] | None]:
     PyTorch reference); what was done, for the output, and a one-element list that counts the
     kernel's calls (None without FLA). Call before importing transformers.
 
-    transformers picks FLA up by itself, but under ``torch.compile`` (torch 2.11, transformers
-    5.17) its kernel-hub wrapper is traced into the PyTorch reference of the chunked rule: the
-    compiled step ran thousands of small per-chunk matmuls and no FLA kernel. So the module's
+    transformers picks FLA up by itself in eager mode, but its compiled step (torch 2.11,
+    transformers 5.17) ran the PyTorch reference of the chunked rule: ``--torch-profile`` showed
+    thousands of small per-chunk matmuls and no FLA kernel. So the module's
     ``torch_chunk_gated_delta_rule`` is replaced by FLA's function here, outside any graph
     (``torch.compiler.disable``, as FLA itself declares it), and the step checks the call count.
     """
@@ -267,11 +267,10 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a local config.json
     fla_note, fla_calls = bind_fla(args.smoke)
-    import numpy as np
     import torch
     import transformers
 
-    from benchmarks.bench_model import ADAMW, make_tokens
+    from benchmarks.bench_model import ADAMW, make_tokens, time_calls
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = transformers.AutoConfig.from_pretrained(args.hf_config)  # config.json of to_hf()
@@ -304,11 +303,14 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
         if device == "cuda":
             torch.cuda.synchronize()
 
+    last = {}
+
     def step():
         loss = loss_fn(inputs, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        last["loss"] = loss
         return loss
 
     t0 = time.perf_counter()
@@ -316,18 +318,7 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
         step()
     sync()
     warmup_s = time.perf_counter() - t0
-    # As bench_model.time_step: iters steps back to back with one sync, then iters synced ones.
-    t0 = time.perf_counter()
-    for _ in range(args.iters):
-        loss = step()
-    sync()
-    pipelined_s = (time.perf_counter() - t0) / args.iters
-    synced = []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        loss = step()
-        sync()
-        synced.append(time.perf_counter() - t0)
+    pipelined_s, synced_s = time_calls(step, lambda loss: sync(), args.iters)
     peak = torch.cuda.max_memory_allocated() * 2.0**-30 if device == "cuda" else None
     top = profile_top_kernels(step, args.torch_profile) if args.torch_profile else None
     steps = TORCH_WARMUP + 2 * args.iters + bool(args.torch_profile)
@@ -337,12 +328,12 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
                            f"{gdn_layers} GDN layers: the torch stack did not run FLA")  # fmt: skip
     return dict(
         top_kernels=top,
-        step_synced_ms=1e3 * float(np.median(synced)),
+        step_synced_ms=1e3 * synced_s,
         dynamo=dynamo_summary() if compiled else None,
         step_ms=1e3 * pipelined_s,
         peak_gib=peak,
         compile_s=warmup_s,
-        loss=float(loss),
+        loss=float(last["loss"]),
         params=sum(p.numel() for p in model.parameters()),
         attn_implementation=getattr(cfg, "_attn_implementation", None),
         fla=fla_note,
@@ -358,7 +349,7 @@ def dynamo_summary() -> dict:  # pragma: no cover - torch
 
     breaks = counters["graph_break"]
     return dict(
-        stats={k: v for k, v in counters["stats"].items()},
+        stats=dict(counters["stats"]),
         recompiles=sum(counters["recompiles"].values()) if "recompiles" in counters else None,
         graph_breaks=[(r.split("\n")[0][:160], n) for r, n in breaks.most_common(6)],
     )

@@ -103,7 +103,7 @@ def test_interpret_tiled_fake_quant_is_bitwise_the_qat_definition():
         assert np.array_equal(got, _fq_exact(x, axes)), groups
 
 
-# The other two (variant, config) pairs run packed with states (test_interpret_packed_states_...).
+# The other two (variant, config) pairs run in test_interpret_packed_states_with_qat.
 @pytest.mark.parametrize("variant,name", [("kda", "matrix_tile"), ("gdn2", "column_row")])
 def test_interpret_pallas_matches_xla_with_qat(variant, name):
     """Forward, final state and every gradient; GVA, a partial last chunk, an initial state."""
