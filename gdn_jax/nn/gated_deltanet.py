@@ -81,6 +81,15 @@ def _dt_bias_init(dt_min: float, dt_max: float, dt_floor: float = 1e-4):
     return init
 
 
+def _conv_order(implementation):
+    """The short convolutions' implementation order: the core's, then ``"xla"`` (their kernels
+    serve fewer shapes than the core's, e.g. only channel counts that are multiples of 64)."""
+    if implementation is None:
+        return None
+    order = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    return order if "xla" in order else (*order, "xla")
+
+
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet linear-attention layer ``[B, T, D] -> [B, T, D]``.
 
@@ -96,7 +105,8 @@ class GatedDeltaNet(nnx.Module):
       norm_eps: epsilon of the gated output RMSNorm.
       use_qk_l2norm: L2-normalise q and k inside the core op (Qwen does).
       chunk_size: chunk length of the chunked core.
-      implementation: passed to the core op (``None`` = Pallas on Hopper GPUs, ``"xla"`` elsewhere).
+      implementation: passed to the core op (``None`` = Pallas on Hopper GPUs, ``"xla"``
+        elsewhere); the short convolutions try the same order, then ``"xla"``.
       qat: optional :class:`gdn_jax.qat.QATConfig` for the chunked core (FP8 fake quantisation).
       sharding: optional :class:`gdn_jax.sharding.ShardingConfig`: the chunked core runs per shard.
       a_log_range: A = exp(A_log) is drawn from U(a_log_range) at init.
@@ -179,9 +189,10 @@ class GatedDeltaNet(nnx.Module):
         self.b_proj = dense(D, HV if variant == "kda" else G, (EMBED, HEADS), **pkw)
         if variant == "gdn2":
             self.w_proj = dense(D, HV * V, (EMBED, HEADS), **pkw)
-        self.q_conv = ShortConv(H * K, kernel_size=conv_kernel, **kw)
-        self.k_conv = ShortConv(H * K, kernel_size=conv_kernel, **kw)
-        self.v_conv = ShortConv(HV * V, kernel_size=conv_kernel, **kw)
+        ckw = dict(kw, kernel_size=conv_kernel, implementation=_conv_order(implementation))
+        self.q_conv = ShortConv(H * K, **ckw)
+        self.k_conv = ShortConv(H * K, **ckw)
+        self.v_conv = ShortConv(HV * V, **ckw)
         self.A_log = nnx.Param(
             partitioned(_a_log_init(*a_log_range), (HEADS,))(rngs.params(), (HV,), param_dtype)
         )

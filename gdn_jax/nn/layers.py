@@ -18,6 +18,8 @@ from flax import nnx
 from flax.typing import Dtype, Initializer
 
 from gdn_jax import fp8 as fp8_lib
+from gdn_jax import ops
+from gdn_jax.reference._common import sequence_starts
 from gdn_jax.sharding.model_rules import CONV_TAPS, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB
 
 __all__ = [
@@ -128,21 +130,6 @@ def project(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return _projection(jax.lax.dot_general)(x, kernel, dims)
 
 
-def sequence_starts(cu_seqlens: jax.Array, T: int) -> jax.Array:
-    """Index of the first token of the packed sequence each position belongs to.
-
-    Args:
-      cu_seqlens: [N + 1] int32 sequence boundaries (0, ..., T).
-      T: packed length.
-    Returns:
-      [T] int32.
-    """
-    t = jnp.arange(T, dtype=jnp.int32)
-    # Empty sequences share a boundary with their neighbour; side="right" skips them.
-    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right")
-    return cu_seqlens[seq].astype(jnp.int32)
-
-
 def _uniform_fan_in(fan_in: int) -> Initializer:
     # PyTorch's Conv1d default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
     bound = fan_in**-0.5
@@ -159,6 +146,8 @@ class ShortConv(nnx.Module):
     ``y[t, c] = act(sum_j weight[j, c] * x[t - (kernel_size - 1) + j, c])``: the last tap multiplies
     the current token (the orientation of a PyTorch ``Conv1d(padding=kernel_size - 1)`` truncated to
     the first T outputs). Packed sequences (``cu_seqlens``) never see each other's tokens.
+    ``implementation`` picks :func:`gdn_jax.ops.short_conv`'s (None: the Pallas kernels on a
+    Hopper GPU where they serve the call, else xla).
     """
 
     def __init__(
@@ -168,6 +157,7 @@ class ShortConv(nnx.Module):
         kernel_size: int = 4,
         activation: Callable[[jax.Array], jax.Array] | None = jax.nn.silu,
         axis_name: str | None = HEADS,
+        implementation: str | Sequence[str] | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -177,6 +167,7 @@ class ShortConv(nnx.Module):
         self.channels = channels
         self.kernel_size = kernel_size
         self.activation = activation
+        self.implementation = implementation
         self.dtype = dtype
         init = partitioned(_uniform_fan_in(kernel_size), (CONV_TAPS, axis_name))
         self.weight = nnx.Param(init(rngs.params(), (kernel_size, channels), param_dtype))
@@ -198,34 +189,17 @@ class ShortConv(nnx.Module):
         Returns:
           [B, T, C] in ``dtype`` (or x.dtype).
         """
-        B, T, C = x.shape
-        W = self.kernel_size
-        if C != self.channels:
-            raise ValueError(f"{x.shape=}: expected {self.channels} channels")
-        if tail is None:
-            # pad (not concatenate with zeros) keeps x's sharding under explicit meshes.
-            xp = jnp.pad(x, ((0, 0), (W - 1, 0), (0, 0)))
-        elif tail.shape != (B, W - 1, C):
-            raise ValueError(f"{tail.shape=}: expected {(B, W - 1, C)}")
-        else:
-            xp = jnp.concatenate([_like(tail.astype(x.dtype), x), x], axis=1)
-        dtype = self.dtype or x.dtype
-        w = self.weight[...].astype(jnp.float32)
-        xp = xp.astype(jnp.float32)
-        if cu_seqlens is not None:
-            start = sequence_starts(cu_seqlens, T)
-            t = jnp.arange(T)
-        y = jnp.zeros((B, T, C), jnp.float32)
-        for j in range(W):
-            tap = xp[:, j : j + T] * w[j]
-            if cu_seqlens is not None:
-                # Tap j reads token t - (W - 1 - j); drop it if it precedes this sequence's start.
-                keep = (t - (W - 1 - j)) >= start
-                tap = jnp.where(keep[None, :, None], tap, 0.0)
-            y = y + tap
-        if self.activation is not None:
-            y = self.activation(y)
-        return y.astype(dtype)
+        if x.ndim != 3 or x.shape[-1] != self.channels:
+            raise ValueError(f"{x.shape=}: expected [B, T, channels={self.channels}]")
+        return ops.short_conv(
+            x,
+            self.weight[...],
+            activation=self.activation,
+            cu_seqlens=cu_seqlens,
+            tail=tail,
+            dtype=self.dtype or x.dtype,
+            implementation=self.implementation,
+        )
 
     def next_tail(self, x: jax.Array, tail: jax.Array) -> jax.Array:
         """The last ``kernel_size - 1`` inputs after appending ``x`` [B, T, C] to ``tail``."""

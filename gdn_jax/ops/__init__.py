@@ -29,6 +29,7 @@ __all__ = [
     "gated_delta_rule_step",
     "kda_step",
     "gdn2_step",
+    "short_conv",
     "IMPLEMENTATIONS",
     "default_implementations",
 ]
@@ -48,14 +49,15 @@ def _on_hopper() -> bool:
 # Variants whose Pallas kernels pass their GPU tests on the H200 and are tried first there: they
 # beat the xla path at every measured shape (KDA fwd+bwd at B4 T4096 HV16: 7.06 vs 36.1 ms in
 # bench_gdn.py, benchmarks/RESULTS.md).
-_PALLAS_BY_DEFAULT = ("gdn", "kda", "gdn2", "step")
+_PALLAS_BY_DEFAULT = ("gdn", "kda", "gdn2", "step", "short_conv")
 
 
 def default_implementations(variant: str = "gdn") -> tuple[str, ...]:
     """The order tried for ``implementation=None`` on this platform.
 
     Args:
-      variant: ``"gdn"``, ``"kda"``, ``"gdn2"`` (chunked ops) or ``"step"`` (decode steps).
+      variant: ``"gdn"``, ``"kda"``, ``"gdn2"`` (chunked ops), ``"step"`` (decode steps) or
+        ``"short_conv"``.
     """
     return ("pallas", "xla") if _on_hopper() and variant in _PALLAS_BY_DEFAULT else ("xla",)
 
@@ -558,3 +560,57 @@ def gdn2_step(
         "gdn2", implementation, q, k, v, g.astype(f), b.astype(f), w.astype(f), state,
         scale=scale, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip
+
+
+def short_conv(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    activation: Callable[[jax.Array], jax.Array] | None = jax.nn.silu,
+    cu_seqlens: jax.Array | None = None,
+    tail: jax.Array | None = None,
+    dtype=None,
+    implementation: str | Sequence[str] | None = None,
+) -> jax.Array:
+    """Depthwise causal convolution over time, then ``activation`` (the q/k/v conv of GDN layers).
+
+    ``y[t, c] = act(Σ_j weight[j, c] · x[t − (W − 1) + j, c])`` with f32 sums: the last tap
+    multiplies the current token (PyTorch's ``Conv1d(padding=W − 1)`` cut to the first T outputs);
+    taps that reach before t = 0, before ``tail`` or before a packed sequence's first token read 0.
+
+    Args:
+      x: [B, T, C].
+      weight: [W, C] taps.
+      activation: a callable or None; the Pallas kernels serve ``jax.nn.silu`` and None.
+      cu_seqlens: optional [N + 1] int32 boundaries of packed sequences (B == 1).
+      tail: optional [B, W − 1, C], the inputs preceding x (decode cache); zeros when omitted
+        (the Pallas kernels serve only the omitted case).
+      dtype: dtype of y (default x.dtype).
+      implementation: None (best for the platform), "pallas", "xla", or a sequence tried in order.
+        The Pallas kernels take 16-bit x and y, C a multiple of 64 and W <= 4, on one device or
+        Explicit-free inputs (see :func:`gdn_jax.ops._short_conv.short_conv_pallas`).
+    Returns:
+      y [B, T, C] in ``dtype``.
+    """
+    from gdn_jax.ops import _short_conv
+
+    val.check_array("x", x)
+    val.check_array("weight", weight)
+    if x.ndim != 3:
+        raise ValueError(f"x must be [B, T, C]; got {x.shape=}")
+    B, T, C = x.shape
+    if weight.ndim != 2 or weight.shape[1] != C or weight.shape[0] < 1:
+        raise ValueError(f"weight must be [W, C={C}] with W >= 1; got {weight.shape=}")
+    W = weight.shape[0]
+    if tail is not None and tail.shape != (B, W - 1, C):
+        raise ValueError(f"tail must be [B, W - 1, C] = {(B, W - 1, C)}; got {tail.shape=}")
+    cu_seqlens = val.prepare_cu_seqlens(cu_seqlens, B, T)
+    kw = dict(activation=activation, cu_seqlens=cu_seqlens, tail=tail,
+              dtype=jnp.dtype(dtype or x.dtype))  # fmt: skip
+    return _run(
+        "short_conv",
+        implementation,
+        lambda: _short_conv.short_conv_xla(x, weight, **kw),
+        lambda: _short_conv.short_conv_pallas(x, weight, **kw),
+        default="short_conv",
+    )

@@ -76,6 +76,21 @@ def sequence_ids(cu_seqlens: jax.Array, T: int) -> jax.Array:
     return (jnp.searchsorted(cu_seqlens, t, side="right") - 1).astype(jnp.int32)
 
 
+def sequence_starts(cu_seqlens: jax.Array, T: int) -> jax.Array:
+    """Index of the first token of the packed sequence each position belongs to.
+
+    Args:
+      cu_seqlens: [N + 1] int32 sequence boundaries (0, ..., T).
+      T: packed length.
+    Returns:
+      [T] int32.
+    """
+    t = jnp.arange(T, dtype=jnp.int32)
+    # Empty sequences share a boundary with their neighbour; side="right" skips them.
+    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right")
+    return cu_seqlens[seq].astype(jnp.int32)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ChunkLayout:
