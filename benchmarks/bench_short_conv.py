@@ -3,7 +3,7 @@ xla, forward and forward+backward, in one run.
 
     PYTHONPATH=. python3 benchmarks/bench_short_conv.py [--json PATH|auto|none]
 
-Shapes: the q/k conv of ``qwen3_5_0_8b`` (2048 channels) at B4 T4096, B8 T2048 and, packed as two
+Shapes: the q/k conv of ``qwen3_5_0_8b`` (2048 channels) at B4 T4096 and, packed as two
 sequences, B1 T32768. Timing as in ``bench_gdn.py`` (:func:`benchmarks.bench_gdn.time_jax`: batches
 of back-to-back calls, median); fwd+bwd is ``vjp`` of the conv with a fixed cotangent, giving the
 gradients of x and of the taps. Floor: the bytes each pass must move (x read, y written; fwd+bwd
@@ -29,7 +29,6 @@ from benchmarks.bench_gdn import COPY_BW, time_jax  # noqa: E402
 # name -> (B, T, C, packed)
 SHAPES = {
     "B4_T4096_C2048": (4, 4096, 2048, False),
-    "B8_T2048_C2048": (8, 2048, 2048, False),
     "B1_T32768_C2048_P": (1, 32768, 2048, True),
 }
 

@@ -17,10 +17,11 @@ all ``B * T`` positions):
   ``torch.cuda.max_memory_allocated()``.
 
 Every (case, stack) runs in its own process, so device memory, allocator peaks and compile
-caches never mix. After warm-up steps (ours: one; torch: two, for Triton autotuning and
-``torch.compile``) each stack runs ``--iters`` steps back to back with one sync at the end, as a
-training loop does: ``step_ms`` is their mean. Then ``--iters`` more steps each blocked until done:
-``*_synced_ms`` (their median) adds the host's time to prepare a step to every step.
+caches never mix. After two warm-up steps dispatched back to back (Triton autotuning and
+``torch.compile`` on the torch side; both allocators then hold two steps' buffers) each stack
+runs ``--iters`` steps back to back with one sync at the end, as a training loop does:
+``step_ms`` is their mean. Then ``--iters`` more steps each blocked until done: ``*_synced_ms``
+(their median) adds the host's time to prepare a step to every step.
 
 FLOPs of one step (:func:`train_flops`; model FLOPs, no recomputation counted), per token::
 

@@ -1,7 +1,8 @@
 """Where the train step's device time goes: a ``jax.profiler`` trace, top ops by time.
 
 Builds the step of ``bench_model.build_step`` (one AdamW step, f32 parameters, bf16 compute),
-runs a warm-up step, then traces ``--steps`` steps with ``jax.profiler.trace`` and reads the
+runs untraced steps, then traces :func:`bench_model.time_step`'s steps (its warm-up, ``--steps``
+back to back, ``--steps`` synced) with ``jax.profiler.trace`` and reads the
 ``*.xplane.pb`` it writes with ``jax.profiler.ProfileData`` (part of jaxlib; no TensorBoard or
 xprof needed). Per HLO op of the compiled step (the ``hlo_op`` stat of each kernel on the
 device's stream lines; on a CPU, of each XLA thunk on the host) it sums the time, per step, and
