@@ -346,6 +346,30 @@ def _call_layer(layer, x, positions, mask, cu_seqlens):
     return layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
 
 
+def _logsumexp_argmax(lf: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(logsumexp, argmax)`` of ``lf`` [..., V] f32 over its last axis in one pass.
+
+    One variadic reduction carries (running max m, Σ e^{x − m}, index of m), so the logits are
+    read once for both (``jax.nn.logsumexp`` reads them twice: max, then the sum). Each
+    combination rescales the smaller side's sum by e^{−|m₁ − m₂|} (one exponential); ties keep
+    the smaller index, as ``jnp.argmax``; a NaN logit makes both results NaN-derived (the sum).
+    """
+    idx = jax.lax.broadcasted_iota(jnp.int32, lf.shape, lf.ndim - 1)
+
+    def combine(a, b):
+        (m1, s1, i1), (m2, s2, i2) = a, b
+        d = jnp.where(m1 == m2, 0.0, m2 - m1)  # 0 for two -inf (the initial value)
+        e = jnp.exp(-jnp.abs(d))
+        first = (d < 0) | ((d == 0) & (i1 <= i2))  # a holds the (first) maximum
+        m = jnp.where(first, m1, m2)
+        s = jnp.where(first, s1 + s2 * e, s1 * e + s2)
+        return m, s, jnp.where(first, i1, i2)
+
+    init = (jnp.array(-jnp.inf, lf.dtype), jnp.array(0.0, lf.dtype), jnp.array(lf.shape[-1]))
+    m, s, i = jax.lax.reduce((lf, jnp.ones_like(lf), idx), init, combine, (lf.ndim - 1,))
+    return m + jnp.log(s), i
+
+
 def _head_ce_chunks(x, w, targets, mask, chunk: int, grads: bool):
     """Mean cross-entropy and accuracy of the logits ``x @ w``, ``chunk`` positions at a time.
 
@@ -368,9 +392,9 @@ def _head_ce_chunks(x, w, targets, mask, chunk: int, grads: bool):
         xc, tc, mc = xs  # [B, c, D], [B, c], [B, c]
         logits = project(xc, w)  # [B, c, V] in the compute dtype, as the head computes them
         lf = logits.astype(f32)
-        lse = jax.nn.logsumexp(lf, axis=-1)
+        lse, top = _logsumexp_argmax(lf)
         target = jnp.take_along_axis(lf, tc[..., None], axis=-1)[..., 0]
-        correct = (jnp.argmax(lf, axis=-1) == tc).astype(f32)
+        correct = (top == tc).astype(f32)
         nll, acc = carry[0] + jnp.sum((lse - target) * mc), carry[1] + jnp.sum(correct * mc)
         if not grads:
             return (nll, acc), None
