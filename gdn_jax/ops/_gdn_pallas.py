@@ -1,16 +1,17 @@
 """``implementation="pallas"`` of :func:`gdn_jax.gated_delta_rule`: glue around the Mosaic GPU
 kernels.
 
-Layout work happens outside the ``custom_vjp`` in plain jnp (JAX differentiates it): the optional
-L2 norm of q and k, padding T to a multiple of 64 (with ``cu_seqlens``: all sequences on one lane,
-each starting at a chunk boundary, so chunks never straddle sequences; the kernels reset the state
-at each sequence's first chunk, by a wipe gate when all initial states are zero and no final state
-is asked for, else from a per-chunk table of sequence ids), the chunk-local gate cumsum and the
-transposes of g and β to ``[B, HV, T]`` (TMA needs a unit last stride). Padded rows are inert:
-k = v = q = 0, β = 0 and a zero gate increment, so the cumulative gate of a padded row is that of
-the last valid row.
+Layout work happens outside the ``custom_vjp`` in plain jnp (JAX differentiates it): padding T to a
+multiple of 64 (with ``cu_seqlens``: all sequences on one lane, each starting at a chunk boundary,
+so chunks never straddle sequences; the kernels reset the state at each sequence's first chunk, by a
+wipe gate when all initial states are zero and no final state is asked for, else from a per-chunk
+table of sequence ids), the chunk-local gate cumsum and the transposes of g and β to ``[B, HV, T]``
+(TMA needs a unit last stride). Padded rows are inert: k = v = q = 0, β = 0 and a zero gate
+increment, so the cumulative gate of a padded row is that of the last valid row.
 
-The ``custom_vjp`` core (:func:`_core`) runs on those padded lanes. Its residuals are the inputs,
+The ``custom_vjp`` core (:func:`_core`) runs on those padded lanes, L2-normalising q and k first
+when asked (the backward kernels' f32 gradient parts then go straight into the norm's backward
+kernel). Its residuals are the inputs (and the normalised q, k),
 the gate cumsum (named :data:`gdn_jax.remat.GDN_GATE_CUMSUM`) and the initial state; the backward
 recomputes A, w, u, the per-chunk states h and v_new with the forward kernels (with QAT: the same
 fake-quantised w and states as the forward). io dtypes: bf16 and f16 (f16 stages the f32 state and
@@ -45,9 +46,7 @@ from gdn_jax.ops._segments import (  # segment_starts / segment_end_cotangents: 
     sm_count,
 )
 from gdn_jax.qat import QATConfig
-from gdn_jax.reference._common import (
-    l2norm,
-)
+from gdn_jax.reference._common import L2NORM_EPS
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK, LoopConfig
@@ -55,6 +54,7 @@ from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
 from pallas_kernels.gdn.bwd_wy import bwd_wy
 from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
 from pallas_kernels.gdn.segment_state import segment_maps
+from pallas_kernels.l2norm import l2norm_bwd, l2norm_fwd
 from pallas_kernels.recurrence.bwd_dh import chunk_bwd_dh
 from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, chunk_fwd
 
@@ -71,9 +71,12 @@ class PallasConfig(CoreConfig):
       segments: the chunk loops cut every lane into this many segments that run in parallel
         (:mod:`gdn_jax.ops._segments`); 1: the unsplit loops. The core's lane length must be a
         multiple of 64 · segments.
+      qk_l2norm: the core L2-normalises q and k itself (:mod:`pallas_kernels.l2norm`: one pass
+        forward; backward from the f32 gradient parts of the backward kernels, GVA heads summed).
     """
 
     segments: int = 1
+    qk_l2norm: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -107,6 +110,16 @@ class PallasConfig(CoreConfig):
 # The kernel launches of the forward and the backward are jitted with the config static, so the
 # GDN layers of a model share one trace and one lowering of each kernel (and, the modules being
 # identical, one Mosaic GPU compile: see pallas_kernels._compat._install_stable_kernel_modules).
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _normalized(cfg, q, k):
+    """q and k as the kernels read them: L2-normalised per head row when ``cfg.qk_l2norm``."""
+    if not cfg.qk_l2norm:
+        return q, k
+    with cfg.kernels():
+        return tuple(l2norm_fwd(x.reshape(-1, x.shape[-1]), eps=L2NORM_EPS).reshape(x.shape)
+                     for x in (q, k))  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -159,13 +172,15 @@ def _segmented_loop(cfg, q, k, w, u, G, h0, meta, *, all_segments):
 
 
 def _core_fwd(cfg, q, k, v, G, beta, h0, meta):
+    raw = (q, k) if cfg.qk_l2norm else None  # the l2norm backward recomputes from these
+    q, k = _normalized(cfg, q, k)
     if cfg.segments > 1:
         o, ht, seg = _segmented_forward(cfg, q, k, v, G, beta, h0, meta)
         seg = tuple(remat.name(x, remat.GDN_CHUNK_STATES) for x in seg)
     else:
         (o, ht), seg = _forward(cfg, q, k, v, G, beta, h0, meta), None
     G = remat.name(G, remat.GDN_GATE_CUMSUM)
-    return (o, ht), (q, k, v, G, beta, h0, meta, seg)
+    return (o, ht), (q, k, v, G, beta, h0, meta, seg, raw)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -173,7 +188,7 @@ def _core_bwd(cfg, res, cts):
     # five launches: recompute (A, w, u), recompute (h, v_new), reverse dh loop with dv2,
     # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces. With
     # segments the two loops run per segment (plus the reverse segment pass and the combine).
-    q, k, v, G, beta, h0, meta, seg = res
+    q, k, v, G, beta, h0, meta, seg, raw = res
     do, dht = cts
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -199,8 +214,18 @@ def _core_bwd(cfg, res, cts):
     def fold(x):  # [B, T, HV, K] -> [B, T, H, K], summing the value heads of a q/k head
         return x.reshape(B, T, H, grp, K).sum(3) if grp > 1 else x
 
-    dq = fold(dq).astype(q.dtype)
-    dk = fold(dk_a + dk_b).astype(k.dtype)
+    if raw is None:
+        dq = fold(dq).astype(q.dtype)
+        dk = fold(dk_a + dk_b).astype(k.dtype)
+    else:  # through the l2norm: one kernel each, summing the parts and the value heads
+        rows = lambda x: x.reshape(B * T * H, -1, K)
+        with cfg.kernels():
+            dq, dk = (
+                l2norm_bwd(
+                    x.reshape(B * T * H, K), tuple(map(rows, parts)), eps=L2NORM_EPS
+                ).reshape(B, T, H, K)
+                for x, parts in zip(raw, ((dq,), (dk_a, dk_b)), strict=True)
+            )
     # the chunk's last row also gets e^{G_last} <h, dh> + Σ_i Σ_k dk_state ⊙ k
     Gl = G.reshape(B, HV, nt, CHUNK)[..., -1]
     last = rs.reshape(B, HV, nt, CHUNK).sum(-1) + jnp.exp(Gl) * hd.sum(-1)
@@ -242,7 +267,7 @@ def _segmented_bwd_loops(cfg, q, k, w, u, do, G, h0, dht, meta, seg):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None):
-    return _forward(cfg, q, k, v, G, beta, h0, meta)
+    return _core_fwd(cfg, q, k, v, G, beta, h0, meta)[0]
 
 
 # No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
@@ -319,9 +344,7 @@ def gated_delta_rule_pallas(
         segments = _segments_for(cfg, B, T, HV, V, cu_seqlens)
     if not isinstance(segments, int) or segments < 1:
         raise ValueError(f"{segments=} must be None or an int >= 1")
-    cfg = dataclasses.replace(cfg, segments=segments)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+    cfg = dataclasses.replace(cfg, segments=segments, qk_l2norm=bool(use_qk_l2norm))
     Tp = -(-T // CHUNK) * CHUNK
     if cu_seqlens is not None and initial_state is None and not output_final_state:
         return _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens), None
