@@ -88,15 +88,31 @@ def make_tokens(batch: int, seq: int, vocab: int, seed: int = 0) -> np.ndarray:
 
 
 class TrainStep(NamedTuple):
-    """A compiled train step and its state: ``compiled(params, opt_state, tokens)`` returns
-    ``(params, opt_state, loss)`` (params and optimizer state donated)."""
+    """A compiled train step and its state.
+
+    ``compiled(param_leaves, opt_leaves, tokens)`` returns ``(param_leaves, opt_leaves, loss)``:
+    the parameters (f32) and the AdamW state as flat lists of arrays in the leaf order of
+    ``treedefs``, both donated; ``tokens`` int32 ``[batch, seq + 1]``; ``loss`` an f32 scalar.
+    :attr:`params` and :attr:`opt_state` are the same arrays as pytrees.
+    """
 
     compiled: Any
-    params: Any
-    opt_state: Any
+    param_leaves: list[jax.Array]
+    opt_leaves: list[jax.Array]
+    treedefs: tuple[Any, Any]  # PyTreeDefs of the nnx.State of nnx.Param and the AdamW state
     tokens: jax.Array
     compile_s: float
     config: Any
+
+    @property
+    def params(self) -> nnx.State:
+        """The parameters, ``nnx.split(model, nnx.Param)``'s state."""
+        return jax.tree.unflatten(self.treedefs[0], self.param_leaves)
+
+    @property
+    def opt_state(self) -> Any:
+        """The AdamW state (``optax.adamw(...).init(params)``)."""
+        return jax.tree.unflatten(self.treedefs[1], self.opt_leaves)
 
 
 def build_step(
@@ -118,7 +134,12 @@ def build_step(
     fp8.convert_projections(model, None if backend == "bf16" else backend)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adamw(**ADAMW)
-    opt_state = tx.init(params)
+    # The step takes and returns flat lists of arrays: each call flattens its arguments and
+    # unflattens its results on the host, which for a list is one C++ pass, while an nnx.State
+    # calls back into Python for every nnx.Param (about 1,200 leaves for qwen3_5_0_8b with
+    # the AdamW moments), host time that precedes every step's first kernel.
+    param_leaves, param_def = jax.tree.flatten(params)
+    opt_leaves, opt_def = jax.tree.flatten(tx.init(params))
     spec = _spec(policy)
     policies = _policies(spec, config.num_layers, offload_threshold, offload_fraction)
     options = remat.compiler_options(spec, overlap_copies=bool(extra))
@@ -129,16 +150,23 @@ def build_step(
         x = model.hidden(tokens[:, :-1], remat_policies=policies)
         return model.loss(x, tokens[:, 1:])[0]
 
-    def step(params, opt_state, tokens):
+    def step(param_leaves, opt_leaves, tokens):
+        params = param_def.unflatten(param_leaves)
+        opt_state = opt_def.unflatten(opt_leaves)
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            params = optax.apply_updates(params, updates)
+        # flatten_up_to: the leaves come back in the order of the inputs' treedefs (it raises
+        # if the update changed a structure)
+        return param_def.flatten_up_to(params), opt_def.flatten_up_to(opt_state), loss
 
     t0 = time.perf_counter()
     step = jax.jit(step, donate_argnums=(0, 1), compiler_options=options)
-    compiled = step.lower(params, opt_state, tokens).compile()
-    return TrainStep(compiled, params, opt_state, tokens, time.perf_counter() - t0, config)
+    compiled = step.lower(param_leaves, opt_leaves, tokens).compile()
+    compile_s = time.perf_counter() - t0
+    treedefs = (param_def, opt_def)
+    return TrainStep(compiled, param_leaves, opt_leaves, treedefs, tokens, compile_s, config)
 
 
 class StepTimes(NamedTuple):
@@ -176,7 +204,7 @@ WARMUP = 2
 def time_step(s: TrainStep, iters: int) -> tuple[StepTimes, TrainStep, float]:
     """Step times (:func:`time_calls`) after :data:`WARMUP` steps, the step with its updated
     state, and the last loss."""
-    state = (s.params, s.opt_state)
+    state = (s.param_leaves, s.opt_leaves)
 
     def call():
         nonlocal state
@@ -187,8 +215,8 @@ def time_step(s: TrainStep, iters: int) -> tuple[StepTimes, TrainStep, float]:
         out = call()
     jax.block_until_ready(out)
     times = StepTimes(*time_calls(call, jax.block_until_ready, iters), WARMUP + 2 * iters)
-    params, opt_state, loss = state
-    return times, s._replace(params=params, opt_state=opt_state), float(loss)
+    param_leaves, opt_leaves, loss = state
+    return times, s._replace(param_leaves=param_leaves, opt_leaves=opt_leaves), float(loss)
 
 
 def peak_gib() -> float | None:
