@@ -587,8 +587,9 @@ def short_conv(
         (the Pallas kernels serve only the omitted case).
       dtype: dtype of y (default x.dtype).
       implementation: None (best for the platform), "pallas", "xla", or a sequence tried in order.
-        The Pallas kernels take 16-bit x and y, C a multiple of 64 and W <= 4, on one device or
-        Explicit-free inputs (see :func:`gdn_jax.ops._short_conv.short_conv_pallas`).
+        The Pallas kernels take 16-bit x and y, C (per shard) a multiple of 64 and W <= 4; on
+        Explicit mesh axes they run per shard of batch and channels (see
+        :func:`gdn_jax.ops._short_conv.short_conv_pallas`).
     Returns:
       y [B, T, C] in ``dtype``.
     """

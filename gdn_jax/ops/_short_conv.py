@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -102,13 +103,20 @@ _ACTIVATION_NAMES = {None: None, jax.nn.silu: "silu"}
 def short_conv_pallas(x, w, *, activation: Callable | None, cu_seqlens, tail, dtype) -> jax.Array:
     """The convolution on the Mosaic GPU kernels; see :func:`gdn_jax.ops.short_conv`.
 
+    On Explicit mesh axes the kernels run per shard (``shard_map``) when x is split over batch
+    and channels only and the taps follow x's channels; a T split (context parallelism) needs the
+    neighbouring shard's last tokens, which the xla form's partitioner exchanges.
+
     Raises:
       NotImplementedError: a decode tail, an activation other than SiLU or none, x not 16-bit,
-        channels not a multiple of 64, more than 4 taps, no Hopper GPU (and no interpreter), or
-        inputs on Auto mesh axes.
+        channels (per shard) not a multiple of 64, more than 4 taps, no Hopper GPU (and no
+        interpreter), inputs on Auto mesh axes, or an Explicit layout other than the above.
     """
+    from jax.sharding import PartitionSpec as P
+
     from gdn_jax.sharding import pallas_layout_error
-    from gdn_jax.sharding.explicit import explicit_mesh
+    from gdn_jax.sharding._axes import _entry
+    from gdn_jax.sharding.explicit import explicit_axes_of, explicit_mesh
 
     if tail is not None:
         raise NotImplementedError("a decode tail (extend) runs on 'xla'")
@@ -120,12 +128,21 @@ def short_conv_pallas(x, w, *, activation: Callable | None, cu_seqlens, tail, dt
     if mode == "auto" and not pk.is_hopper():
         raise NotImplementedError("no Hopper GPU (and the Mosaic GPU interpreter not requested)")
     why = pallas_layout_error((x, w))
-    if why is None and explicit_mesh(x, w) is not None:
-        why = "x or the taps on Explicit mesh axes (XLA's partitioner splits the xla form)"
     if why is not None:
         raise NotImplementedError(why)
     B, T, C = x.shape
     W = w.shape[0]
+    mesh = explicit_mesh(x, w)
+    if mesh is not None:
+        b_ax, t_ax, c_ax = explicit_axes_of(x)
+        if t_ax or explicit_axes_of(w) != ((), c_ax):
+            raise NotImplementedError(
+                f"x laid out {(b_ax, t_ax, c_ax)} and the taps {explicit_axes_of(w)} on Explicit "
+                "axes: the kernels run per shard of batch and channels, the taps split like x's "
+                "channels"
+            )
+        shards = lambda axes: math.prod(mesh.shape[a] for a in axes)
+        B, C = B // shards(b_ax), C // shards(c_ax)  # one shard's block
     reach = None
     if cu_seqlens is not None:
         dist = jnp.arange(T, dtype=jnp.int32) - sequence_starts(cu_seqlens, T)
@@ -133,6 +150,17 @@ def short_conv_pallas(x, w, *, activation: Callable | None, cu_seqlens, tail, dt
         reach = reach.astype(jnp.int8)
     wb_shape = jax.ShapeDtypeStruct((W, kernels.SUB, C), f32)
     reach_shape = None if reach is None else jax.ShapeDtypeStruct(reach.shape, jnp.int8)
-    kernels.check(x, wb_shape, reach_shape, _ACTIVATION_NAMES[activation], T)
+    block = jax.ShapeDtypeStruct((B, T, C), x.dtype)
+    kernels.check(block, wb_shape, reach_shape, _ACTIVATION_NAMES[activation], T)
     cfg = _Config(_ACTIVATION_NAMES[activation], jnp.dtype(dtype), mode)
-    return _conv(cfg, x, w, reach)
+    if mesh is None:
+        return _conv(cfg, x, w, reach)
+    xs, ws = P(_entry(b_ax), None, _entry(c_ax)), P(None, _entry(c_ax))
+    args, specs = (x, w), (xs, ws)
+    if reach is not None:  # B == 1: the tokens' offsets are the same on every shard
+        args, specs = (*args, reach), (*specs, P())
+    # check_vma=False, as gdn_jax.sharding.shard_op: every shard runs the same program on its block
+    return jax.shard_map(
+        lambda x, w, *r: _conv(cfg, x, w, r[0] if r else None),
+        mesh=mesh, in_specs=specs, out_specs=xs, check_vma=False,
+    )(*args)  # fmt: skip

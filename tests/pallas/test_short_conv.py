@@ -178,3 +178,28 @@ def test_gpu_matches_f32_reference(case):
     ref32 = run(x.astype(f32), w, dy.astype(f32), "xla", **kw)
     print(case, check_2x(("y", "dx", "dw"), got, ref_lo, ref32))
     assert rel_rms(got[2], ref32[2]) <= 1e-4
+
+
+def test_lowers_per_shard_on_explicit_axes():
+    """On Explicit mesh axes (batch over "data", channels over "tensor") the kernels run inside a
+    shard_map on one shard's block; a T split goes to the xla form."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    B, T, C = 4, 128, 512
+
+    def S(shape, spec, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    x, dy = S((B, T, C), P("data", None, "tensor")), S((B, T, C), P("data", None, "tensor"))
+    w = S((4, C), P(None, "tensor"), f32)
+    fn = lambda x, w, dy: _value_and_grads(x, w, dy, "pallas")
+    with pk.use_mode("gpu"):  # the mesh is the arrays' (test_default_mesh lowers the ops so)
+        txt = jax.jit(fn).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
+    assert len([ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]) == 2
+    assert "sdy.manual_computation" in txt and f"tensor<{B // 2}x{T}x{C // 4}xbf16>" in txt
+    xt = S((B, T, C), P("data", "tensor", None))
+    with pk.use_mode("gpu"), pytest.raises(ExceptionGroup) as e:
+        jax.jit(lambda x, w: gdn_jax.ops.short_conv(x, w, implementation="pallas")).trace(xt, w)
+    assert "per shard of batch and channels" in str(e.value.exceptions[0])
