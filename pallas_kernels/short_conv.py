@@ -76,13 +76,15 @@ def _rows(ref, start, dtype=f32) -> jax.Array:
 
 
 def _masks(reach_s, start: int, W: int):
-    """m_j of rows ``start …`` as [16, 64] f32 multipliers, j = 0 … W − 2 (m_{W−1} = 1)."""
+    """m_j of rows ``start …`` as [16, 64] bool tiles, j = 0 … W − 2 (m_{W−1} = 1)."""
     reach = plgpu.load(reach_s.at[pl.ds(start, SUB)], layout=_STRIDED).astype(jnp.int32)
-    return [jnp.where(reach >= W - 1 - j, 1.0, 0.0).astype(f32) for j in range(W - 1)]
+    return [reach >= W - 1 - j for j in range(W - 1)]
 
 
 def _masked(x, masks, j: int):
-    return x if masks is None or j == len(masks) else x * masks[j]
+    """x where tap j is kept, else 0: a select, so a non-finite value from another packed
+    sequence never reaches this one (a multiply by 0 would keep a NaN)."""
+    return x if masks is None or j == len(masks) else jnp.where(masks[j], x, 0.0)
 
 
 def _pre(x_s, start: int, w, masks):
@@ -307,8 +309,8 @@ def short_conv_bwd(
                     for k in range(W):
                         j = W - 1 - k
                         term = _rows(dpre_s, r + k) * w[j]
-                        if packed and j < W - 1:
-                            term = term * _masks(rs, r + k, W)[j]
+                        if packed:
+                            term = _masked(term, _masks(rs, r + k, W), j)
                         dx = term if dx is None else dx + term
                     dx_s.at[slot, pl.ds(r, SUB)][...] = dx.astype(x.dtype)
                 plgpu.commit_smem()

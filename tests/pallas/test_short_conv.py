@@ -98,8 +98,10 @@ def test_blocks_per_cta_keeps_the_gpu_busy():
 
 
 def test_packed_sequences_do_not_see_each_other():
-    """Each packed sequence convolved on its own (xla form) equals its slice of the kernel's."""
+    """Each packed sequence convolved on its own (xla form) equals its slice of the kernel's, also
+    next to a sequence whose last tokens are NaN and inf (masked taps are selected away)."""
     x, w, dy = _inputs(1, 1, 80, 64, 4, jnp.bfloat16)
+    x = x.at[0, 2, :5].set(jnp.nan).at[0, 69, 7].set(jnp.inf)
     cu = (0, 3, 3, 70, 80)
     fn = lambda x, w: gdn_jax.ops.short_conv(
         x, w, cu_seqlens=jnp.asarray(cu, jnp.int32), implementation="pallas"
@@ -203,3 +205,27 @@ def test_lowers_per_shard_on_explicit_axes():
     with pk.use_mode("gpu"), pytest.raises(ExceptionGroup) as e:
         jax.jit(lambda x, w: gdn_jax.ops.short_conv(x, w, implementation="pallas")).trace(xt, w)
     assert "per shard of batch and channels" in str(e.value.exceptions[0])
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 64), (0, 8, 64)])
+def test_empty_inputs(shape):
+    """No tokens or no rows: an empty y and zero tap gradients, whatever the implementation."""
+    x, w = jnp.zeros(shape, jnp.bfloat16), jnp.ones((4, 64), f32)
+    y, dx, dw = run_interpreted(_value_and_grads, x, w, jnp.zeros(shape, jnp.bfloat16), "pallas")
+    assert y.shape == dx.shape == shape and dw.shape == (4, 64) and not np.any(np.asarray(dw))
+
+
+@pytest.mark.gpu
+def test_gpu_non_finite_values_stay_in_their_sequence():
+    """A NaN and an inf in the last tokens of a packed sequence: the next sequence's outputs and
+    gradients are those of the xla form (the kernels select masked taps away; on the GPU a
+    multiply by a zero mask would carry the NaN across)."""
+    x, w, dy = _inputs(7, 1, 4096, 2048, 4, jnp.bfloat16)
+    x = x.at[0, 1999, :9].set(jnp.nan).at[0, 1998, 100].set(jnp.inf)
+    cu = jnp.asarray([0, 2000, 4096], jnp.int32)
+    run = jax.jit(_value_and_grads, static_argnums=(3,))
+    got = run(x, w, dy, "pallas", cu_seqlens=cu)
+    ref = run(x, w, dy, "xla", cu_seqlens=cu)
+    for a, b in zip(got[:2], ref[:2], strict=True):
+        a, b = np.asarray(a[:, 2000:], f32), np.asarray(b[:, 2000:], f32)
+        assert np.all(np.isfinite(a)) and rel_rms(a, b) <= 4e-3
