@@ -195,9 +195,9 @@ def time_calls(call: Callable[[], Any], wait: Callable[[Any], Any], iters: int):
     return back_to_back, float(np.median(synced))
 
 
-# Warm-up steps, dispatched back to back as the timed ones are (bench_vs_torch.TORCH_WARMUP is
-# the PyTorch stack's): the first back-to-back pair also makes the allocator hold two steps'
-# buffers at once, a one-time cost that would otherwise land in the first timed batch.
+# Warm-up steps of both stacks (bench_vs_torch's PyTorch step too), dispatched back to back as
+# the timed ones are: the pair also makes the allocator hold two steps' buffers at once, a
+# one-time cost that would otherwise land in the first timed batch.
 WARMUP = 2
 
 

@@ -69,7 +69,6 @@ sys.path.insert(0, str(ROOT))
 PEAK_FLOPS = 989e12  # H200 dense bf16
 DEFAULT_CASES = "2x2048,4x2048,8x2048,4x4096"
 STACKS = ("ours", "torch_eager", "torch_compile")
-TORCH_WARMUP = 2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -271,7 +270,7 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
     import torch
     import transformers
 
-    from benchmarks.bench_model import ADAMW, make_tokens, time_calls
+    from benchmarks.bench_model import ADAMW, WARMUP, make_tokens, time_calls
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = transformers.AutoConfig.from_pretrained(args.hf_config)  # config.json of to_hf()
@@ -315,14 +314,14 @@ def run_torch(args, compiled: bool, batch: int, seq: int) -> dict:  # pragma: no
         return loss
 
     t0 = time.perf_counter()
-    for _ in range(TORCH_WARMUP):  # torch.compile, Triton autotuning
+    for _ in range(WARMUP):  # also torch.compile and Triton autotuning
         step()
     sync()
     warmup_s = time.perf_counter() - t0
     pipelined_s, synced_s = time_calls(step, lambda loss: sync(), args.iters)
     peak = torch.cuda.max_memory_allocated() * 2.0**-30 if device == "cuda" else None
     top = profile_top_kernels(step, args.torch_profile) if args.torch_profile else None
-    steps = TORCH_WARMUP + 2 * args.iters + bool(args.torch_profile)
+    steps = WARMUP + 2 * args.iters + bool(args.torch_profile)
     gdn_layers = cfg.layer_types.count("linear_attention")
     if fla_calls is not None and fla_calls[0] != steps * gdn_layers:
         raise RuntimeError(f"FLA's chunked kernel ran {fla_calls[0]} times in {steps} steps of "

@@ -70,9 +70,9 @@ def blocks_per_cta(B: int, T: int, C: int) -> int:
     return blocks
 
 
-def _rows(ref, start, dtype=f32) -> jax.Array:
-    """Rows ``start … start + 15`` of a plain SMEM tile as a [16, 64] register tile."""
-    return plgpu.load(ref.at[pl.ds(start, SUB)], layout=_STRIDED).astype(dtype)
+def _rows(ref, start) -> jax.Array:
+    """Rows ``start … start + 15`` of a plain SMEM tile as a [16, 64] f32 register tile."""
+    return plgpu.load(ref.at[pl.ds(start, SUB)], layout=_STRIDED).astype(f32)
 
 
 def _masks(reach_s, start: int, W: int):
@@ -97,8 +97,9 @@ def _pre(x_s, start: int, w, masks):
 
 
 def _loop(body, out_type, B: int, T: int, C: int, blocks: int, name: str):
-    """``body(n, block0, c, b)`` on the (channel block, block group, batch row) grid: the CTA's
-    blocks are ``block0 … block0 + n − 1`` (n ≤ ``blocks``; fewer in the last group)."""
+    """``body(*refs, n=, block0=, cols=, b=)`` on the (channel block, block group, batch row) grid:
+    the CTA's blocks are ``block0 … block0 + n − 1`` (n ≤ ``blocks``; fewer in the last group),
+    its channels ``cols`` and its batch row ``b``."""
     n_blocks = pl.cdiv(T, ROWS)
 
     def kernel_body(*refs):
@@ -137,9 +138,10 @@ def _load_x(x_g, x_s, bar, b, t0, cols, rows: int, W: int) -> None:
         plgpu.copy_gmem_to_smem(x_g.at[b, pl.ds(t0 - (W - 1), rows), cols], x_s, bar)
 
 
-def _pipelined(n, load, compute):
-    """``compute(i, slot)`` for i = 0 … n − 1, block i's loads (``load(i, slot)``, waited on
-    ``slot``'s barrier inside ``compute``) issued one block ahead into the other slot."""
+def _pipelined(n, load, compute, carry):
+    """``carry = compute(i, slot, carry)`` for blocks i = 0 … n − 1, block i's loads
+    (``load(i, slot)``, waited on inside ``compute``) issued one block ahead into the other of
+    two SMEM slots. Returns the last carry."""
     load(0, 0)
 
     def step(i, carry):
@@ -151,7 +153,7 @@ def _pipelined(n, load, compute):
 
         return compute(i, slot, carry)
 
-    return step
+    return lax.fori_loop(0, n, step, carry)
 
 
 def check(x, wb, reach, activation, T: int) -> None:
@@ -224,7 +226,7 @@ def short_conv_fwd(x, wb, reach, *, activation, out_dtype, blocks: int | None = 
                 return carry
 
             plgpu.barrier_wait(wbar)
-            lax.fori_loop(0, n, _pipelined(n, load, compute), 0)
+            _pipelined(n, load, compute, 0)
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(
@@ -319,7 +321,7 @@ def short_conv_bwd(
                 return tuple(dw)
 
             zero = plgpu.layout_cast(jnp.zeros((SUB, COLS), f32), _STRIDED)
-            dw = lax.fori_loop(0, n, _pipelined(n, load, compute), (zero,) * W)
+            dw = _pipelined(n, load, compute, (zero,) * W)
             plgpu.wait_smem_to_gmem(0)
             return dw
 

@@ -11,11 +11,11 @@ increment, so the cumulative gate of a padded row is that of the last valid row.
 
 The ``custom_vjp`` core (:func:`_core`) runs on those padded lanes, L2-normalising q and k first
 when asked (the backward kernels' f32 gradient parts then go straight into the norm's backward
-kernel). Its residuals are the inputs (and the normalised q, k),
-the gate cumsum (named :data:`gdn_jax.remat.GDN_GATE_CUMSUM`) and the initial state; the backward
-recomputes A, w, u, the per-chunk states h and v_new with the forward kernels (with QAT: the same
-fake-quantised w and states as the forward). io dtypes: bf16 and f16 (f16 stages the f32 state and
-its gradient through per-column/row scaled f16 operands; see ``pallas_kernels.gdn.fake_quant``).
+kernel). Its residuals are the inputs (and the normalised q, k), the gate cumsum (named
+:data:`gdn_jax.remat.GDN_GATE_CUMSUM`) and the initial state; the backward recomputes A, w, u, the
+per-chunk states h and v_new with the forward kernels (with QAT: the same fake-quantised w and
+states as the forward). io dtypes: bf16 and f16 (f16 stages the f32 state and its gradient through
+per-column/row scaled f16 operands; see ``pallas_kernels.gdn.fake_quant``).
 """
 
 from __future__ import annotations
