@@ -14,7 +14,6 @@ a model built from one computes what transformers' ``Qwen3_5ForCausalLM`` comput
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -25,8 +24,8 @@ from flax.typing import Dtype
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gdn_jax import remat
-from gdn_jax.models import _checks
+from gdn_jax import ops, remat
+from gdn_jax.models import _checks, _lm_head
 from gdn_jax.models.attention import GatedAttention, KVCache
 from gdn_jax.nn.gated_deltanet import GatedDeltaNet, GDNCache, Variant
 from gdn_jax.nn.layers import (
@@ -346,99 +345,6 @@ def _call_layer(layer, x, positions, mask, cu_seqlens):
     return layer(x, positions=positions, mask=mask, cu_seqlens=cu_seqlens)
 
 
-def _logsumexp_argmax(lf: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(logsumexp, argmax)`` of ``lf`` [..., V] f32 over its last axis in one pass.
-
-    One variadic reduction carries (running max m, Σ e^{x − m}, index of m), so the logits are
-    read once for both (``jax.nn.logsumexp`` reads them twice: max, then the sum). Each
-    combination rescales the smaller side's sum by e^{−|m₁ − m₂|} (one exponential); ties keep
-    the smaller index, as ``jnp.argmax``; a NaN logit makes both results NaN-derived (the sum).
-    """
-    idx = jax.lax.broadcasted_iota(jnp.int32, lf.shape, lf.ndim - 1)
-
-    def combine(a, b):
-        (m1, s1, i1), (m2, s2, i2) = a, b
-        d = jnp.where(m1 == m2, 0.0, m2 - m1)  # 0 for two -inf (the initial value)
-        e = jnp.exp(-jnp.abs(d))
-        first = (d < 0) | ((d == 0) & (i1 <= i2))  # a holds the (first) maximum
-        m = jnp.where(first, m1, m2)
-        s = jnp.where(first, s1 + s2 * e, s1 * e + s2)
-        return m, s, jnp.where(first, i1, i2)
-
-    init = (jnp.array(-jnp.inf, lf.dtype), jnp.array(0.0, lf.dtype), jnp.array(lf.shape[-1]))
-    m, s, i = jax.lax.reduce((lf, jnp.ones_like(lf), idx), init, combine, (lf.ndim - 1,))
-    return m + jnp.log(s), i
-
-
-def _head_ce_chunks(x, w, targets, mask, chunk: int, grads: bool):
-    """Mean cross-entropy and accuracy of the logits ``x @ w``, ``chunk`` positions at a time.
-
-    Args:
-      x: [B, T, D] normed hidden states (T a multiple of ``chunk``); w: [D, V] head matrix.
-      targets: [B, T] ids in [0, V); mask: [B, T] f32 weights.
-      grads: also return the gradients of the mean loss: dx [B, T, D] (x.dtype) and dw [D, V]
-        (w.dtype, summed over the chunks in f32).
-    Returns:
-      ((loss, accuracy), (dx, dw) or None).
-    """
-    B, T, D = x.shape
-    V = w.shape[1]
-    n = T // chunk
-    f32 = jnp.float32
-    inv = 1.0 / jnp.maximum(jnp.sum(mask), 1.0)
-    split = lambda a: a.reshape(B, n, chunk, *a.shape[2:]).swapaxes(0, 1)
-
-    def body(carry, xs):
-        xc, tc, mc = xs  # [B, c, D], [B, c], [B, c]
-        logits = project(xc, w)  # [B, c, V] in the compute dtype, as the head computes them
-        lf = logits.astype(f32)
-        lse, top = _logsumexp_argmax(lf)
-        target = jnp.take_along_axis(lf, tc[..., None], axis=-1)[..., 0]
-        correct = (top == tc).astype(f32)
-        nll, acc = carry[0] + jnp.sum((lse - target) * mc), carry[1] + jnp.sum(correct * mc)
-        if not grads:
-            return (nll, acc), None
-        # d(Σ mask · nll / Σ mask) / d logits, cast like the logits' cotangent would be.
-        p = jnp.exp(lf - lse[..., None])
-        onehot = jnp.arange(V, dtype=tc.dtype) == tc[..., None]
-        dlogits = ((p - onehot) * (mc * inv)[..., None]).astype(logits.dtype)
-        dx = jax.lax.dot_general(dlogits, w, (((2,), (1,)), ((), ())))  # [B, c, D]
-        dw = carry[2] + jax.lax.dot_general(
-            xc, dlogits, (((0, 1), (0, 1)), ((), ())), preferred_element_type=f32
-        )  # [D, V]
-        return (nll, acc, dw), dx.astype(x.dtype)
-
-    zero = jnp.zeros((), f32)
-    init = (zero, zero, jnp.zeros((D, V), f32)) if grads else (zero, zero)
-    carry, dx = jax.lax.scan(body, init, (split(x), split(targets), split(mask)))
-    out = (carry[0] * inv, carry[1] * inv)
-    if not grads:
-        return out, None
-    return out, (dx.swapaxes(0, 1).reshape(B, T, D), carry[2].astype(w.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _head_cross_entropy(x, w, targets, mask, chunk: int):
-    """``(loss, accuracy)`` of the logits ``x @ w`` (:func:`_head_ce_chunks`); under reverse-mode
-    differentiation the gradients are formed chunk by chunk in the forward pass."""
-    return _head_ce_chunks(x, w, targets, mask, chunk, grads=False)[0]
-
-
-def _head_cross_entropy_fwd(x, w, targets, mask, chunk):
-    out, (dx, dw) = _head_ce_chunks(x, w, targets, mask, chunk, grads=True)
-    return out, (dx, dw)
-
-
-def _head_cross_entropy_bwd(chunk, res, g):
-    dx, dw = res
-    g = g[0]  # the accuracy has no gradient
-    scale = lambda a: (a.astype(jnp.float32) * g).astype(a.dtype)
-    return scale(dx), scale(dw), None, None
-
-
-_head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)
-
-
 class HybridLM(nnx.Module):
     """Decoder-only LM over token ids, ``[B, T] -> logits [B, T, vocab]``.
 
@@ -477,6 +383,7 @@ class HybridLM(nnx.Module):
         c = config
         self.config = config
         self.dtype = dtype
+        self.implementation = implementation
         if remat_policies is not None and len(remat_policies) != c.num_layers:
             raise ValueError(f"{len(remat_policies)=} must equal {c.num_layers=}")
         self.remat_policies = tuple(remat_policies or (None,) * c.num_layers)
@@ -623,12 +530,24 @@ class HybridLM(nnx.Module):
             raise ValueError(f"chunk must be a positive int or None; got {chunk=}")
         head = self._plain_head(x)
         if head is not None:
-            xn, w = head
+            xn, w, vocab_major = head
             if chunk is None or chunk >= T:
                 chunk = T
             xn, targets, mask = _checks.pad_time(chunk, xn, targets, mask)  # padding: weight 0
-            with jax.named_scope("lm_head"):
-                return _head_cross_entropy(xn, w, targets, mask, chunk)
+            vocab = w.shape[0] if vocab_major else w.shape[1]
+
+            def run(impl):
+                with jax.named_scope("lm_head"):
+                    return _lm_head.head_cross_entropy(
+                        xn, w, targets, mask, chunk, vocab_major, impl
+                    )
+
+            def run_pallas():
+                _lm_head.check_pallas(B * chunk, vocab, xn.dtype)
+                return run("pallas")
+
+            order = ops.with_xla_fallback(self.implementation)
+            return ops._run("lm_head", order, lambda: run("xla"), run_pallas, default="lm_head")
         if chunk is None or chunk >= T:
             nll, correct = sums(x, targets, mask)
         else:
@@ -657,15 +576,16 @@ class HybridLM(nnx.Module):
         return self.embed(tokens, out_sharding=NamedSharding(mesh, out))
 
     def _plain_head(self, x):
-        """``(norm(x), W [hidden, vocab])`` in the compute dtype when the LM head is the plain
-        projection ``norm(x) @ W`` (tied embeddings or an unconverted bias-free ``nnx.Linear``)
-        and no input is on Explicit mesh axes; None otherwise."""
+        """``(norm(x), W, vocab_major)`` in the compute dtype when the LM head is the plain
+        projection ``norm(x) @ W`` (tied embeddings: the table [vocab, hidden], vocab_major; an
+        unconverted bias-free ``nnx.Linear``: its kernel [hidden, vocab]) and no input is on
+        Explicit mesh axes; None otherwise."""
         if self.config.tie_embeddings:
             table = self.embed.embedding[...]
             if explicit_mesh(x, table) is not None:
                 return None
             x, table = self.embed.promote_dtype((self.norm(x), table), dtype=self.dtype)
-            return x, table.T
+            return x, table, True
         head = self.lm_head
         plain = (
             type(head) is nnx.Linear
@@ -678,7 +598,7 @@ class HybridLM(nnx.Module):
         if not plain or explicit_mesh(x, head.kernel[...]) is not None:
             return None
         x, kernel = head.promote_dtype((self.norm(x), head.kernel[...]), dtype=head.dtype)
-        return x, kernel
+        return x, kernel, False
 
     def _logits(self, x):
         x = self.norm(x)

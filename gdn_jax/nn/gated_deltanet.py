@@ -81,15 +81,6 @@ def _dt_bias_init(dt_min: float, dt_max: float, dt_floor: float = 1e-4):
     return init
 
 
-def _conv_order(implementation):
-    """The short convolutions' implementation order: the core's, then ``"xla"`` (their kernels
-    serve fewer shapes than the core's, e.g. only channel counts that are multiples of 64)."""
-    if implementation is None:
-        return None
-    order = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-    return order if "xla" in order else (*order, "xla")
-
-
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet linear-attention layer ``[B, T, D] -> [B, T, D]``.
 
@@ -189,7 +180,8 @@ class GatedDeltaNet(nnx.Module):
         self.b_proj = dense(D, HV if variant == "kda" else G, (EMBED, HEADS), **pkw)
         if variant == "gdn2":
             self.w_proj = dense(D, HV * V, (EMBED, HEADS), **pkw)
-        ckw = dict(kw, kernel_size=conv_kernel, implementation=_conv_order(implementation))
+        conv_order = ops.with_xla_fallback(implementation)
+        ckw = dict(kw, kernel_size=conv_kernel, implementation=conv_order)
         self.q_conv = ShortConv(H * K, **ckw)
         self.k_conv = ShortConv(H * K, **ckw)
         self.v_conv = ShortConv(HV * V, **ckw)

@@ -49,17 +49,27 @@ def _on_hopper() -> bool:
 # Variants whose Pallas kernels pass their GPU tests on the H200 and are tried first there: they
 # beat the xla path at every measured shape (KDA fwd+bwd at B4 T4096 HV16: 7.06 vs 36.1 ms in
 # bench_gdn.py, benchmarks/RESULTS.md).
-_PALLAS_BY_DEFAULT = ("gdn", "kda", "gdn2", "step", "short_conv")
+_PALLAS_BY_DEFAULT = ("gdn", "kda", "gdn2", "step", "short_conv", "lm_head")
 
 
 def default_implementations(variant: str = "gdn") -> tuple[str, ...]:
     """The order tried for ``implementation=None`` on this platform.
 
     Args:
-      variant: ``"gdn"``, ``"kda"``, ``"gdn2"`` (chunked ops), ``"step"`` (decode steps) or
-        ``"short_conv"``.
+      variant: ``"gdn"``, ``"kda"``, ``"gdn2"`` (chunked ops), ``"step"`` (decode steps),
+        ``"short_conv"`` or ``"lm_head"`` (the LM head's cross-entropy in ``HybridLM.loss``).
     """
     return ("pallas", "xla") if _on_hopper() and variant in _PALLAS_BY_DEFAULT else ("xla",)
+
+
+def with_xla_fallback(implementation):
+    """``implementation`` (None, a name or a sequence) with ``"xla"`` tried last; None stays
+    None (:func:`default_implementations` ends in ``"xla"``). For the parts of a layer whose
+    kernels serve fewer shapes than the core's (the short convolutions, the LM head's loss)."""
+    if implementation is None:
+        return None
+    order = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    return order if "xla" in order else (*order, "xla")
 
 
 def _pallas(variant: str) -> Callable:
