@@ -17,35 +17,38 @@ around the reference of the block of the *contracted* index:
         Z = Σ_I F_I ⊙ (D[I, :]ᵀ · X̂[I]),   X̂_i = X_i e^{G_i − r_{I(i)}}
         F_I,j = e^{r_I − G_j} for j < 16 I + 16, else 0
 
-The factored operand (Ŷ or X̂, each row against its own block's reference) is one [C, K] tile,
-staged once (per part of its hi/lo pair, below); block J's product reads its rows
-16 J … 16 J + 15 and a 16-wide slice of D (columns J for rows, rows I transposed for cols): one
-64 × K × 16 wgmma per block and part, so the four blocks together cost one 64 × 64 × K product
-per part. The other factor F scales the block's f32 product in
-registers before it is added to Z. Where F's row lies outside the triangle (rows i < 16 J for
+The factored operand (Ŷ or X̂, each row against its own block's reference) is staged once, as a
+16-bit hi/lo pair in two [C, K] tiles (below); block J's product reads rows 16 J … 16 J + 15 of
+both and a 16-wide slice of D (columns J for rows, rows I transposed for cols): one
+64 × K × 16 wgmma per block and part, all of a block's into one f32 accumulator, so the four
+blocks together cost one 64 × 64 × K product per part. The other factor F scales the block's
+accumulated product in registers (one exponential, one wgmma wait and one scaling per block)
+before it is added to Z. Where F's row lies outside the triangle (rows i < 16 J for
 "rows", j ≥ 16 I + 16 for "cols") D's entries in the block are zero, but F would be large or
 inf: its exponent is masked to 0 *before* ``exp`` and the value selected away with ``where``.
 G is non-increasing (log-decays ≤ 0), so inside the triangle F ≤ 1 except in the diagonal block,
 where F and the factored operand are within e^{±8·d} for per-token log-decays ≥ −d (e^{80} at the
 op's clamp d = 10, inside the f32 / bf16 range). Exponentials are ``exp2(x · log2 e)``.
 
-wgmma contracts in steps of one swizzle width, so D and the factored operand live in tiles with a
-32-byte swizzle (16 columns of 16 bits, :func:`product_smem`), tiles of their own in the
-kernels (otherwise used only to stage TMA stores, or in the unsplit WY kernel sharing the space
-of tiles read before).
+wgmma contracts in steps of one swizzle width, so D and the factored operand's hi and lo live in
+tiles with a 32-byte swizzle (16 columns of 16 bits, :func:`product_smem`). In the kernels D and
+the hi are tiles of their own (otherwise used only to stage TMA stores, or in the unsplit WY
+kernel sharing the space of tiles read before); the lo is a view of a tile read before
+(:class:`plgpu.RefUnion`: k's tile in the dq/dk/dw kernels, the dA operand scratch in the WY
+kernels), so the pair costs the kernels no more shared memory than one tile did.
 
 All register tiles are f32 in the WGMMA layout; only wgmma operands are 16-bit. ``G`` comes from
 an f32 SMEM tile, the reference rows and G_last from small f32 SMEM tables (the same ones the
 forward's intra kernel reads).
 
-The factored operand is staged as a 16-bit pair hi = rnd(Ŷ), lo = rnd(Ŷ − hi) (≈ f32), hi and
-lo in turn through one tile: every block accumulates ``D Ŷ_hi`` with Ŷ_hi staged, then ``D Ŷ_lo``
-with Ŷ_lo staged, each block's product scaled by F into the same f32 Z (two 64 × K × 16 wgmmas
-per block). The pair is needed in bf16 too: the row and column halves of a pairwise product's
-gate gradient (dG = dq ⊙ q − dk ⊙ k, and the WY kernel's dbk ⊙ bk − dkL ⊙ k) must cancel over
-the chunk (the product depends only on G differences), which single 16-bit roundings of the two
-differently factored operands break (the op's gate gradient then misses the 2x rule of
-docs/design.md in the interpreter tests). D is rounded once and shared by both halves.
+The factored operand is staged as a 16-bit pair hi = rnd(Ŷ), lo = rnd(Ŷ − hi) (≈ f32), both
+tiles at once: every block accumulates ``D Ŷ_hi + D Ŷ_lo`` in one f32 accumulator (two
+64 × K × 16 wgmmas), scaled once by F into Z. The pair is needed in bf16 too: the row and column
+halves of a pairwise product's gate gradient (dG = dq ⊙ q − dk ⊙ k, and the WY kernel's
+dbk ⊙ bk − dkL ⊙ k) must cancel over the chunk (the product depends only on G differences), which
+single 16-bit roundings of the two differently factored operands break (the op's gate gradient
+then misses the 2x rule of docs/design.md in the interpreter tests). D is rounded once and shared
+by both halves.
 
 bf16 io: D is a plain bf16 tile, the factored operand a bf16 hi/lo pair.
 
@@ -53,9 +56,9 @@ f16 io (docs/design.md): the factored operand reaches ``e^{8 d}``, beyond f16's 
 and spans more than its dynamic range within a block, so its pair is **bf16** (f32 range,
 ~16-bit precision). wgmma needs both operands of one instruction in one dtype, so D (computed in
 f32 by the kernels) is staged as a bf16 hi/lo pair too (``lo_s`` arguments,
-:meth:`Decay.stage_pair`), and with Ŷ_hi staged each block accumulates ``D_hi Ŷ_hi + D_lo Ŷ_hi``
-(the ``D_lo Ŷ_lo`` term, ~2^-18 relative, is dropped). The tiles of the factored operand and of D
-are bf16 in f16 mode (:func:`operand_dtype`).
+:meth:`Decay.stage_pair`), and each block accumulates ``D_hi Ŷ_hi + D_hi Ŷ_lo + D_lo Ŷ_hi``
+(three wgmmas, one accumulator; the ``D_lo Ŷ_lo`` term, ~2^-18 relative, is dropped). The tiles
+of the factored operand and of D are bf16 in f16 mode (:func:`operand_dtype`).
 """
 
 from __future__ import annotations
@@ -188,9 +191,9 @@ class Decay:
 
     @staticmethod
     def stage_pair(hi_s, lo_s, val) -> None:
-        """Writes f32 ``val`` as hi (``hi_s``) and, with ``lo_s`` (f16 mode), lo = val − hi, both
-        in the tiles' dtype; without ``lo_s`` it is the single rounding of bf16 io. The caller
-        commits (:func:`plgpu.commit_smem`)."""
+        """Writes f32 ``val`` as hi (``hi_s``) and, with ``lo_s`` (the factored operand; D in
+        f16 mode), lo = val − hi, both in the tiles' dtype; without ``lo_s`` it is the single
+        rounding of bf16 io's D. The caller commits (:func:`plgpu.commit_smem`)."""
         hi = val.astype(hi_s.dtype)
         hi_s[...] = hi
         if lo_s is not None:
@@ -199,45 +202,51 @@ class Decay:
     # ----------------------------------------------------------------------------------------
     # products
 
-    def _blocks(self, d_blk, val, s, lo_s, factor) -> jax.Array:
+    def _blocks(self, d_blk, val, op_s, dlo_s, factor) -> jax.Array:
         """Σ_J F_J ⊙ (D_J · val[J]) for the four 16-row blocks J of the staged operand.
 
-        ``val``: the factored operand [C, K] f32, staged to ``s`` as hi, then as lo (each once,
-        every block reading it before the next staging). ``d_blk(lo, J)``: block J's [C, 16] A
-        operand from D's tile (``lo`` None) or from D's lo tile ``lo``. ``lo_s`` (f16 mode): D's
-        lo tile, multiplied with the operand's hi. ``factor(J)``: (keep mask or None, exponent)
-        of F_J; its exponential runs while the block's wgmmas do.
+        ``val``: the factored operand [C, K] f32, staged once as its hi/lo pair to the two tiles
+        ``op_s`` = (hi tile, lo tile). ``d_blk(lo, J)``: block J's [C, 16] A operand from D's
+        tile (``lo`` None) or from D's lo tile ``lo``. ``dlo_s`` (f16 mode): D's lo tile,
+        multiplied with the operand's hi. ``factor(J)``: (keep mask or None, exponent) of F_J.
+        Block J's wgmmas (D·hi, D·lo, f16: D_lo·hi) go into one accumulator; F_J's exponential
+        runs while they do, then one wait and one scaling per block.
         """
+        hi_s, olo_s = op_s
+        Decay.stage_pair(hi_s, olo_s, val)
+        plgpu.commit_smem()
         Z = None
-        for part in (0, 1):
-            self.stage(s, val, part)
-            for J in range(NSUB):
-                pairs = [(d_blk(None, J), s.at[pl.ds(SUB * J, SUB)])]
-                if part == 0 and lo_s is not None:
-                    pairs.append((d_blk(lo_s, J), s.at[pl.ds(SUB * J, SUB)]))
-                keep, expo = factor(J)
+        for J in range(NSUB):
+            blk = pl.ds(SUB * J, SUB)
+            d_j = d_blk(None, J)
+            pairs = [(d_j, hi_s.at[blk]), (d_j, olo_s.at[blk])]
+            if dlo_s is not None:
+                pairs.append((d_blk(dlo_s, J), hi_s.at[blk]))
+            keep, expo = factor(J)
 
-                def body(acc, pairs=pairs, keep=keep, expo=expo):
-                    for a, b in pairs:
-                        plgpu.wgmma(acc, a, b)
-                    if keep is None:
-                        f = _exp(expo)
-                    else:  # masked before exp: outside the triangle F would overflow
-                        f = _exp(jnp.where(keep, expo, 0.0))
-                    plgpu.wgmma_wait(0)
-                    t = acc[...] * f
-                    return t if keep is None else jnp.where(keep, t, 0.0)
+            def body(acc, pairs=pairs, keep=keep, expo=expo):
+                for a, b in pairs:
+                    plgpu.wgmma(acc, a, b)
+                if keep is None:
+                    f = _exp(expo)
+                else:  # masked before exp: outside the triangle F would overflow
+                    f = _exp(jnp.where(keep, expo, 0.0))
+                plgpu.wgmma_wait(0)
+                t = acc[...] * f
+                return t if keep is None else jnp.where(keep, t, 0.0)
 
-                t = pl.run_scoped(body, plgpu.ACC(self.shape, f32))
-                Z = t if Z is None else Z + t
+            t = pl.run_scoped(body, plgpu.ACC(self.shape, f32))
+            Z = t if Z is None else Z + t
         return Z
 
     def rows(self, d_s, Y, ys_s, *, lo_s=None) -> jax.Array:
         """Z_i = Σ_j D_ij Y_j e^{G_i − G_j} (D strictly lower triangular, 16-bit SMEM [C, C]).
 
-        Y: [C, K] f32 registers. ``ys_s``: the [C, K] operand tile. Both tiles from
-        :func:`product_smem`. ``lo_s`` (f16 mode): the bf16 lo part of D; ``ys_s`` and D are
-        bf16 then. Returns [C, K] f32.
+        Y: [C, K] f32 registers. ``ys_s``: the two [C, K] operand tiles (hi, lo), written here
+        with no barrier before (every thread must be done with what shares their space: the
+        dq/dk/dw kernels commit after reading k's tile). All tiles from :func:`product_smem`.
+        ``lo_s`` (f16 mode): the bf16 lo part of D; ``ys_s`` and D are bf16 then. Returns
+        [C, K] f32.
         """
 
         def d_blk(lo, J):  # D[:, J]: the columns of block J
@@ -252,9 +261,9 @@ class Decay:
     def cols(self, d_s, X, xs_s, *, lo_s=None) -> jax.Array:
         """Z_j = Σ_i D_ij X_i e^{G_i − G_j} (D strictly lower triangular, 16-bit SMEM [C, C]).
 
-        X: [C, K] f32 registers. ``xs_s``: the [C, K] operand tile. Both tiles from
-        :func:`product_smem`. ``lo_s`` (f16 mode): the bf16 lo part of D; ``xs_s`` and D are
-        bf16 then. Returns [C, K] f32.
+        X: [C, K] f32 registers. ``xs_s``: the two [C, K] operand tiles (hi, lo), as for
+        :meth:`rows`. All tiles from :func:`product_smem`. ``lo_s`` (f16 mode): the bf16 lo part
+        of D; ``xs_s`` and D are bf16 then. Returns [C, K] f32.
         """
 
         def d_blk(lo, I):  # D[I, :]ᵀ: the rows of block I, transposed

@@ -14,11 +14,14 @@ key channel (j ≤ i):
 
 The remaining last-row term e^{G_last} ⊙ Σ_v h ⊙ dh is added by the caller. The decayed products
 factor the decay around one reference row per 16-row block of the contracted index
-(:mod:`bwd_decay`): per product, the factored operand is staged once (as a 16-bit hi/lo pair) and
-each of the four blocks is a 64 × K × 16 wgmma per staged part, so the two parts together cost two
+(:mod:`bwd_decay`): per product, the factored operand is staged once, as a 16-bit hi/lo pair in two
+tiles, and each of the four blocks accumulates its 64 × K × 16 wgmmas of both parts in one
+accumulator (one exponential and one wait per block), so the two parts together cost two
 64 × 64 × K products (f16: three, with dP's lo part). dP and the factored operand live in tiles
-with a 32-byte swizzle (:func:`bwd_decay.product_smem`). h and dh share one SMEM tile (dh is
-loaded once h's products are done) to stay inside the shared-memory budget at K = V = 128.
+with a 32-byte swizzle (:func:`bwd_decay.product_smem`); the operand's lo tile is a view of k's
+tile (a :class:`plgpu.RefUnion`: k is read into registers before the first product), so it costs
+no shared memory. h and dh share one SMEM tile (dh is loaded once h's products are done) to stay
+inside the shared-memory budget at K = V = 128.
 
 K-split form (``k_split=True``, K = 128, V ∈ {64, 128}): every output is separable over the key
 dimension
@@ -36,15 +39,16 @@ an f16 h/dh is accepted too) and are staged as f16 with one scale per row of the
 dh (do hᵀ, dv2 hᵀ, v_new dhᵀ) have the state's rows as their columns and are multiplied back by
 the scales in f32 (:func:`_unstage`). The decayed products take D = dP and the factored operand
 as bf16 hi/lo pairs (bf16 hi/lo staging, :mod:`bwd_decay`): dP's tile and the operand scratch are
-bf16, with one more bf16 tile for dP's lo part. Forms serving f16:
+bf16 (the operand's lo tile, k's space, too), with one more bf16 tile for dP's lo part. Forms
+serving f16:
 
 - K-split (K = 128, V ∈ {64, 128}): h and dh pass through a [64, V] f32 tile in scopes of their
   own, in the space the phases share (dh's staging also emits dw). Mosaic's count: ≈ 111 720 B
   per CTA at V = 128, 95 336 B at V = 64 (bf16, V = 128: 102 488 B), within half an SM.
 - K = 64 with ``k_split``: the K-split form's phased body on one CTA per (chunk, value head)
-  (all 64 columns): ≈ 95 340 B (V = 64) / 111 720 B (V = 128), two CTAs per SM.
+  (all 64 columns): 95 336 B (V = 64) / 111 720 B (V = 128), two CTAs per SM.
 - one CTA (K = 64, V ∈ {64, 128}, ``k_split=False``): an [K, V] f32 staging tile, dP lo and a
-  bf16 operand tile on top: ≈ 144 470 B (V = 64) / 201 810 B (V = 128), one CTA per SM (bf16:
+  bf16 operand (hi) tile on top: 144 472 B (V = 64) / 201 816 B (V = 128), one CTA per SM (bf16:
   110 680 B at V = 64). At K = 128 it would exceed an SM: NotImplementedError (use k_split).
 
 dq (without GVA) and dw still leave in the io dtype (f16), dq (GVA), dk and dG in f32.
@@ -89,11 +93,12 @@ def _dqkw_body(
     dt = q_g.dtype
     scaled = dt == jnp.float16  # f16 io: see channel_bwd_dqkw
 
-    def scoped(q_s, k_s, g_s, gr_s, gl_s, h_s, vn_s, do_s, dvh_s, dvl_s, dp_s, x_s, out_s, bar,
+    def scoped(q_s, k_u, g_s, gr_s, gl_s, h_s, vn_s, do_s, dvh_s, dvl_s, dp_s, x_s, out_s, bar,
                *f16):  # fmt: skip
-        # f16: dP lo, the bf16 factored-operand scratch, the f32 state staging tile and the row
-        # scales of the staged h (row 0) and dh (row 1)
+        # f16: dP lo, the bf16 factored-operand scratch (hi), the f32 state staging tile and the
+        # row scales of the staged h (row 0) and dh (row 1)
         dpl_s, ys_s, st_s, sc_s = f16 if scaled else (None, x_s, None, None)
+        k_s, yl_s = k_u  # k's tile, then the factored operand's lo (k is read into registers)
         srcs = (
             (q_g.at[b, rows, hk, :], q_s),
             (k_g.at[b, rows, hk, :], k_s),
@@ -133,7 +138,8 @@ def _dqkw_body(
 
         q = cp.load_tile(q_s).astype(f32)
         k = cp.load_tile(k_s).astype(f32)
-        dq = dq + dec.rows(dp_s, k, ys_s, lo_s=dpl_s)
+        plgpu.commit_smem()  # also a warpgroup barrier: every thread has read k_s (yl_s's space)
+        dq = dq + dec.rows(dp_s, k, (ys_s, yl_s), lo_s=dpl_s)
         r1 = dq * q  # without the diagonal (see channel_bwd_dqkw)
         dq = dq + cp.bcast_rows(diag, (C, K)) * k
         if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s)
@@ -143,7 +149,7 @@ def _dqkw_body(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         else:
             emit_tile(dq, out_s, dq_g.at[b, rows, hv, :])
-        dk = dec.cols(dp_s, q, ys_s, lo_s=dpl_s)
+        dk = dec.cols(dp_s, q, (ys_s, yl_s), lo_s=dpl_s)
         if scaled:  # h's products are done (wgmma waited): dh takes its tile
             _stage_state(st_s, bar.at[len(srcs) + 1], h_s, sc_s.at[1])
         else:
@@ -162,14 +168,14 @@ def _dqkw_body(
     if scaled:
         f16 = (
             product_smem((C, C), odt),  # dP lo
-            product_smem((C, K), odt),  # factored operand
+            product_smem((C, K), odt),  # factored operand (hi)
             cp.smem((K, V), h_g.dtype),  # h, then dh, as stored (f32)
             cp.smem((2, K), f32, swizzled=False),  # row scales of the staged h, dh
         )
     pl.run_scoped(
         scoped,
         cp.smem((C, K), dt),  # q
-        cp.smem((C, K), dt),  # k
+        plgpu.RefUnion(cp.smem((C, K), dt), product_smem((C, K), odt)),  # k, then operand lo
         *decay_smem(C, K),  # G, reference rows, G_last
         cp.smem((K, V), dt),  # h, then dh
         cp.smem((C, V), dt),  # v_new
@@ -177,7 +183,7 @@ def _dqkw_body(
         cp.smem((C, V), dt),  # dv2 hi
         cp.smem((C, V), dt),  # dv2 lo
         product_smem((C, C), odt),  # dP (hi)
-        product_smem((C, K), dt),  # bf16: factored operand; dw, dq staging
+        product_smem((C, K), dt),  # bf16: factored operand (hi); dw, dq staging
         cp.smem((C, K), f32),  # f32 output staging
         plgpu.Barrier(num_barriers=11),
         *f16,
@@ -219,11 +225,11 @@ def _dqkw_ksplit_body(
     only afterwards) take turns in the same space. Bytes at K = V = 128, bf16 io (KiB = 1024 B):
 
         always:  h then dh [64, V] 16 KiB, v_new [C, V] 16 KiB, dP 8 KiB,
-                 operand/dw scratch [C, 64] 8 KiB, 11 barriers 88 B
+                 operand hi / dw scratch [C, 64] 8 KiB, 11 barriers 88 B
                                                           = 48 KiB + 88 B
         phase 1: do, dv2 hi, dv2 lo [C, V] 16 KiB each    = 48 KiB
-        phase 2: q, k [C, 64] 8 KiB each, G [C, 64] f32 16 KiB, reference rows [4, 64] f32 1 KiB,
-                 G_last 256 B, f32 output staging [C, 64] 16 KiB
+        phase 2: q, k (then the operand's lo) [C, 64] 8 KiB each, G [C, 64] f32 16 KiB,
+                 reference rows [4, 64] f32 1 KiB, G_last 256 B, f32 output staging [C, 64] 16 KiB
                                                           = 49.25 KiB
         peak:    always + phase 2 = 97.25 KiB + alignment padding
 
@@ -231,7 +237,7 @@ def _dqkw_ksplit_body(
     226392 B for :func:`_dqkw_body`; tests/pallas/test_channel_ksplit_dqkw.py checks that it stays
     within half an SM.
 
-    f16 io: the operand scratch and dP are bf16, plus dP lo 8 KiB and the state row scales
+    f16 io: the operand tiles and dP are bf16, plus dP lo 8 KiB and the state row scales
     [2, 64] f32 (always: 56.5 KiB); h is staged before phase 1 and dh between phases 1 and 2,
     each through a [64, V] f32 tile (32 KiB, + dw's 8 KiB f16 staging for dh) in its own scope;
     dq (no GVA) leaves through the free q tile. Peak: always + phase 2 = 105.75 KiB; Mosaic's
@@ -246,6 +252,7 @@ def _dqkw_ksplit_body(
     V = vn_g.shape[-1]
     dt = q_g.dtype
     scaled = dt == jnp.float16  # f16 io: see channel_bwd_dqkw
+    odt = operand_dtype(dt)  # bf16 (hi/lo pairs) for f16 io
     row = cp.iota((C, C), 0)
     col = cp.iota((C, C), 1)
 
@@ -316,7 +323,8 @@ def _dqkw_ksplit_body(
         else:
             dqh, diag = dqh
 
-        def phase2(q_s, k_s, g_s, gr_s, gl_s, out_s):
+        def phase2(q_s, k_u, g_s, gr_s, gl_s, out_s):
+            k_s, xl_s = k_u  # k's tile, then the factored operand's lo (k is read into registers)
             srcs = (
                 *decay_copies(
                     g_g, gr_g, gl_g, (g_s, gr_s, gl_s), b=b, hv=hv, c=c, rows=rows, cols=kc
@@ -332,7 +340,8 @@ def _dqkw_ksplit_body(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # x_s (dw) is reused below
             q = cp.load_tile(q_s).astype(f32)
             k = cp.load_tile(k_s).astype(f32)
-            dq = dq + dec.rows(dp_s, k, x_s, lo_s=dpl_s)
+            plgpu.commit_smem()  # also a warpgroup barrier: every thread has read k_s (xl_s)
+            dq = dq + dec.rows(dp_s, k, (x_s, xl_s), lo_s=dpl_s)
             r1 = dq * q  # without the diagonal
             dq = dq + cp.bcast_rows(diag, (C, KH)) * k
             if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s;
@@ -341,7 +350,7 @@ def _dqkw_ksplit_body(
                 emit_tile(dq.astype(dt), q_s if scaled else x_s, dq_g.at[b, rows, hv, kc])
             else:
                 emit_tile(dq, out_s, dq_g.at[b, rows, hv, kc])
-            dk = dec.cols(dp_s, q, x_s, lo_s=dpl_s)
+            dk = dec.cols(dp_s, q, (x_s, xl_s), lo_s=dpl_s)
             if not scaled:
                 plgpu.barrier_wait(bar2.at[5])
             dks = _unstage(cp.matmul(vn_s, h_s.T, (C, KH)), sc_s, 1) * dec.e_last()  # state dk
@@ -356,12 +365,12 @@ def _dqkw_ksplit_body(
         pl.run_scoped(
             phase2,
             cp.smem((C, KH), dt),  # q
-            cp.smem((C, KH), dt),  # k
+            # k, then the factored operand's lo
+            plgpu.RefUnion(cp.smem((C, KH), dt), product_smem((C, KH), odt)),
             *decay_smem(C, KH),  # G, reference rows, G_last
             cp.smem((C, KH), f32),  # f32 output staging
         )
 
-    odt = operand_dtype(dt)  # bf16 (hi/lo pairs) for f16 io
     f16 = ()
     if scaled:
         f16 = (
@@ -374,7 +383,7 @@ def _dqkw_ksplit_body(
         cp.smem((KH, V), dt),  # h, then dh (rows kh of the state)
         cp.smem((C, V), dt),  # v_new
         product_smem((C, C), odt),  # dP (hi)
-        product_smem((C, KH), odt),  # factored operand (and the dw / bf16 dq staging)
+        product_smem((C, KH), odt),  # factored operand hi (and the dw / bf16 dq staging)
         plgpu.Barrier(num_barriers=5),  # phase 1 loads
         plgpu.Barrier(num_barriers=6),  # phase 2 loads
         *f16,

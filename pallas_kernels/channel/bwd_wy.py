@@ -18,18 +18,22 @@ with D_ij = e^{G_id − G_jd}. GDN2 writes db [C, K] and dw_gate [C, V] per elem
 dβ = Σ_d db + Σ_v dw_gate per row.
 
 The decayed products factor the decay around one reference row per 16-row block of the
-contracted index (:mod:`bwd_decay`): per product, the factored operand is staged once (as a
-16-bit hi/lo pair) and each of the four blocks is a 64 × K × 16 wgmma per staged part (two
-64 × 64 × K products' worth; f16: three, with dL's lo part). dL and the factored operand live in
-tiles of their own with a 32-byte swizzle (:func:`bwd_decay.product_smem`): in the unsplit form
-they share their space with v and du (a :class:`plgpu.RefUnion`; v and du are read before dL is
-staged), in the K-split form they take turns with dA's staging tile in the own K-half pass.
+contracted index (:mod:`bwd_decay`): per product, the factored operand is staged once, as a
+16-bit hi/lo pair in two tiles, and each of the four blocks accumulates its 64 × K × 16 wgmmas of
+both parts in one accumulator (one exponential and one wait per block; two 64 × 64 × K products'
+worth, f16: three, with dL's lo part). dL and the operand live in tiles with a 32-byte swizzle
+(:func:`bwd_decay.product_smem`): dL and the operand's hi in tiles of their own, which in the
+unsplit form share their space with v and du (a :class:`plgpu.RefUnion`; v and du are read before
+dL is staged) and in the K-split form take turns with dA's staging tile in the own K-half pass;
+the operand's lo is a view of the dA operand scratch (a RefUnion; dA's products and dv's store
+are done with it), so it costs no shared memory.
 
 f16 io (docs/design.md): the decayed "rows"/"cols" products take dL and the factored operand as
-bf16 hi/lo pairs (:mod:`bwd_decay`), in three bf16 tiles (dL hi, dL lo, the operand); every other
-product keeps f16 operands (bk ⊙ e^G and w_gate ⊙ v are bounded by |bk|, |v| as G ≤ 0); the f32
-gradients dA and dA Aᵀ go through their f16 tile as hi + lo with the f16 A, as for bf16, but
-scaled per row / column into f16's range (:func:`_neg_inverse_product`, scaled f16 staging).
+bf16 hi/lo pairs (:mod:`bwd_decay`), in four bf16 tiles (dL hi, dL lo, the operand's hi and lo,
+the last in the dA operand scratch's space); every other product keeps f16 operands (bk ⊙ e^G
+and w_gate ⊙ v are bounded by |bk|, |v| as G ≤ 0); the f32 gradients dA and dA Aᵀ go through
+their f16 tile as hi + lo with the f16 A, as for bf16, but scaled per row / column into f16's
+range (:func:`_neg_inverse_product`, scaled f16 staging).
 
 Mosaic's SMEM count per CTA when lowering (KDA / GDN2):
 
@@ -146,12 +150,14 @@ def _wy_body(*refs, scalar: bool, group: int):
     dt = k_g.dtype
     scaled = dt == jnp.float16  # f16 io: the decayed products in bf16 hi/lo (bwd_decay)
 
-    def scoped(k_s, g_s, gr_s, gl_s, gate_s, a_s, dw_s, union, x_s, m_s, st_s, vec_s, bar,
+    def scoped(k_s, g_s, gr_s, gl_s, gate_s, a_s, dw_s, union, x_u, m_s, st_s, vec_s, bar,
                *extra):  # fmt: skip
         # v, du hi, du lo share their space with the tiles of the decayed products (dL, f16:
-        # dL lo, and the factored operand), written only once v and du are read
+        # dL lo, and the factored operand's hi), written only once v and du are read
         (v_s, duh_s, dul_s), prod = union
         dl_s, dll_s, ys_s = prod if scaled else (prod[0], None, prod[1])
+        # dA's operand scratch, then the factored operand's lo (once dA and dv are done with it)
+        x_s, yl_s = x_u
         # [C, V] operand scratch: the [C, K] one when V == K, else its own tile (``extra``)
         xv_s = x_s if V == K else extra[0]
         if scalar:
@@ -216,10 +222,11 @@ def _wy_body(*refs, scalar: bool, group: int):
         plgpu.commit_smem()
 
         dkbg = cp.matmul(a_s.T, dw_s, (C, K))
-        dbk_l = dec.rows(dl_s, k, ys_s, lo_s=dll_s)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dv's store has read x_s (yl_s's space)
+        dbk_l = dec.rows(dl_s, k, (ys_s, yl_s), lo_s=dll_s)
         dbk = dkbg * eG + dbk_l
         dG = (dkbg * eG + dbk_l) * bk  # = dkbg ⊙ bk e^G + dbk_L ⊙ bk
-        dkl = dec.cols(dl_s, bk, ys_s, lo_s=dll_s)
+        dkl = dec.cols(dl_s, bk, (ys_s, yl_s), lo_s=dll_s)
         dG = dG - dkl * k
         emit_tile(dG, out_s, dg_g.at[b, rows, hv, :])
         dbk_k = dbk * k
@@ -251,7 +258,7 @@ def _wy_body(*refs, scalar: bool, group: int):
     prod = [product_smem((C, C), odt)]  # dL (hi)
     if scaled:
         prod.append(product_smem((C, C), odt))  # dL lo
-    prod.append(product_smem((C, K), odt))  # factored operand
+    prod.append(product_smem((C, K), odt))  # factored operand (hi)
     pl.run_scoped(
         scoped,
         cp.smem((C, K), dt),  # k
@@ -263,7 +270,8 @@ def _wy_body(*refs, scalar: bool, group: int):
             (cp.smem((C, V), dt), cp.smem((C, V), dt), cp.smem((C, V), dt)),  # v, du hi, du lo
             tuple(prod),
         ),
-        cp.smem((C, K), dt),  # operand scratch of dA
+        # operand scratch of dA (and of dv at V == K), then the factored operand's lo
+        plgpu.RefUnion(cp.smem((C, K), dt), product_smem((C, K), odt)),
         cp.smem((C, C), dt),  # dA, dA Aᵀ (hi, lo)
         cp.smem((C, K), f32) if scalar else cp.smem((8,), f32),  # f32 staging (KDA)
         cp.smem((C,), f32),  # dβ (KDA)
@@ -298,21 +306,22 @@ def _split_body(*refs, scalar: bool, group: int):
     Every register tile is [C, 64] f32 (32 registers a thread). SMEM bytes per CTA, bf16 io,
     GDN2 / KDA (a KDA-only or GDN2-only buffer is a 32-byte placeholder in the other variant):
 
-        persistent  A 8192, operand scratch 8192, dβ 256, β 256 (KDA),
+        persistent  A 8192, operand scratch (then the factored operand's lo) 8192,
+                    dβ 256, β 256 (KDA),
                     barriers 19 / 16 × 8                                 16 824 / 17 024
         pass 1, 2   du hi 8192, du lo 8192, v 8192, w_gate 16384 (GDN2) 40 960 / 24 608
         pass 3      k 8192, G 16384, b 16384 (GDN2), dw 8192, 3 placeholders 96
                                                                          49 248 / 32 896
         pass 4      k, G, b, dw as pass 3, reference rows 1024, G_last 256,
                     f32 staging 16384                                    66 816 / 50 464
-          then      dA's staging 8192, then dL 8192 + factored operand 8192
+          then      dA's staging 8192, then dL 8192 + factored operand hi 8192
                     (32-byte swizzle)                                    16 384
 
     Peak (persistent + pass 4): 100 024 B (GDN2) / 83 872 B (KDA); Mosaic's count with its
     alignment: 102 552 B / 89 216 B, so two CTAs share an SM (228 KiB).
 
-    f16 io: dA's f16 staging tile (8 KiB) and then dL hi, dL lo and the bf16 operand (24 KiB)
-    take turns in pass 4 (Mosaic's count 110 744 B GDN2, 97 408 B KDA).
+    f16 io: dA's f16 staging tile (8 KiB) and then dL hi, dL lo and the bf16 operand's hi
+    (24 KiB) take turns in pass 4 (Mosaic's count 110 744 B GDN2, 97 408 B KDA).
     """
     (k_g, v_g, g_g, gr_g, gl_g, be_g, b_g, wg_g, a_g, dw_g, duh_g, dul_g,
      dk_g, dv_g, dg_g, dbe_g, db_g, dwg_g) = _wy_refs(refs, scalar)  # fmt: skip
@@ -325,7 +334,10 @@ def _split_body(*refs, scalar: bool, group: int):
     scaled = dt == jnp.float16  # f16 io: the decayed products in bf16 hi/lo (bwd_decay)
     odt = operand_dtype(dt)
 
-    def outer(a_s, x_s, vec_s, be_s, bar):
+    def outer(a_s, x_u, vec_s, be_s, bar):
+        # the operand scratch of the dA products and dv, then (own K-half's tail) the factored
+        # operand's lo: every earlier use has waited for its readers (wgmma, the dv store)
+        x_s, yl_s = x_u
         bars = Bars(bar)
         # A is first needed in pass 2: its load overlaps pass 1
         (a_id,) = bars.load([(a_g.at[b, rows, hv, :], a_s)], wait=False)
@@ -430,10 +442,10 @@ def _split_body(*refs, scalar: bool, group: int):
                     def k_tile():
                         return cp.load_tile(k_s).astype(f32)
 
-                    dkl = dec.cols(dl_s, gate_tile() * k_tile(), ys_s, lo_s=dll_s)
+                    dkl = dec.cols(dl_s, gate_tile() * k_tile(), (ys_s, yl_s), lo_s=dll_s)
                     st_s[...] = dkl  # read back below by the same threads, in the same layout
                     plgpu.commit_smem()
-                    dbk = dec.rows(dl_s, k_tile(), ys_s, lo_s=dll_s)
+                    dbk = dec.rows(dl_s, k_tile(), (ys_s, yl_s), lo_s=dll_s)
                     dbk = dbk + cp.matmul(a_s.T, dw_s, (C, H2)) * jnp.exp(cp.load_tile(g_s))
                     dkl = cp.load_tile(st_s)
                     k = k_tile()
@@ -463,7 +475,7 @@ def _split_body(*refs, scalar: bool, group: int):
                     lambda dl_s, dll_s, ys_s: tail(dl_s, dll_s, ys_s, dL),
                     product_smem((C, C), odt),  # dL (hi)
                     product_smem((C, C), odt) if scaled else None,  # dL lo (f16)
-                    product_smem((C, H2), odt),  # factored operand
+                    product_smem((C, H2), odt),  # factored operand (hi; lo: yl_s)
                 )
                 return dA_out
 
@@ -493,7 +505,8 @@ def _split_body(*refs, scalar: bool, group: int):
     pl.run_scoped(
         outer,
         cp.smem((C, C), dt),  # A
-        cp.smem((C, HALF), dt),  # operand scratch (dA operands, dv)
+        # operand scratch (dA operands, dv), then the factored operand's lo
+        plgpu.RefUnion(cp.smem((C, H2), dt), product_smem((C, H2), odt)),
         cp.smem((C,), f32),  # dβ (KDA)
         cp.smem((C,) if scalar else (8,), f32),  # β (KDA)
         plgpu.Barrier(num_barriers=n_bar),

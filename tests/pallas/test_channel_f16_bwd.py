@@ -351,7 +351,7 @@ def test_dqkw_ksplit_lowers(H, HV, V):
 @pytest.mark.parametrize("k_split", [True, False])
 def test_dqkw_k64_lowers(k_split, V):
     """K = 64: with k_split the phased body on one CTA, two CTAs per SM (Mosaic's count:
-    95 340 B at V = 64, 111 720 B at V = 128); without, the one-CTA form, one CTA per SM."""
+    95 336 B at V = 64, 111 720 B at V = 128); without, the one-CTA form, one CTA per SM."""
     f = functools.partial(channel_bwd_dqkw, scale=0.125, k_split=k_split)
     limit = SMEM_TWO_CTAS if k_split else SMEM_ONE_CTA
     _lowers(f, _dqkw_shapes(1, 192, 2, 4, 64, V), limit, "chan_bwd_dqkw")
@@ -377,7 +377,7 @@ def _wy_shapes(B, T, H, HV, K, V, scalar):
 @pytest.mark.parametrize("V", [128, 64])
 @pytest.mark.parametrize("variant", ["kda", "gdn2"])
 def test_wy_ksplit_lowers(variant, V):
-    """K = 128, k_split: two CTAs per SM (Mosaic's count, KDA / GDN2: 97 410 / 110 740 B at
+    """K = 128, k_split: two CTAs per SM (Mosaic's count, KDA / GDN2: 97 408 / 110 744 B at
     V = 128, 97 384 / 110 712 B at V = 64)."""
     cfg = ChannelBwdWyConfig(scalar_beta=variant == "kda", k_split=True)
     f = lambda *a: channel_bwd_wy(*a, cfg)
