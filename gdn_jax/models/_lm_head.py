@@ -48,15 +48,20 @@ def _grad_pallas(logits, lse, targets, scale):
     return softmax_ce.ce_grad(logits, lse, targets.astype(f32), scale)
 
 
-def check_pallas(rows: int, vocab: int, dtype) -> None:
-    """NotImplementedError when the kernels cannot serve [rows, vocab] logits of ``dtype``
-    here (no Hopper GPU and no interpreter requested, or a shape or dtype they refuse)."""
+def check_pallas(x, w, rows: int, vocab: int) -> None:
+    """NotImplementedError when the kernels cannot serve the [rows, vocab] logits of ``x @ w``
+    here: no Hopper GPU (and no interpreter requested), inputs on Auto mesh axes (the kernels are
+    opaque to XLA's partitioner), or a shape or dtype they refuse."""
+    from gdn_jax.sharding import pallas_layout_error
     from pallas_kernels import _compat as pk
     from pallas_kernels import softmax_ce
 
     if pk.execution_mode() == "auto" and not pk.is_hopper():
         raise NotImplementedError("no Hopper GPU (and the Mosaic GPU interpreter not requested)")
-    softmax_ce.check(jax.ShapeDtypeStruct((rows, vocab), dtype))
+    why = pallas_layout_error((x, w))
+    if why is not None:
+        raise NotImplementedError(why)
+    softmax_ce.check(jax.ShapeDtypeStruct((rows, vocab), x.dtype))
 
 
 def _ce_chunks(x, w, targets, mask, chunk: int, vocab_major: bool, impl: str, grads: bool):

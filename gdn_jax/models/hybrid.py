@@ -543,7 +543,7 @@ class HybridLM(nnx.Module):
                     )
 
             def run_pallas():
-                _lm_head.check_pallas(B * chunk, vocab, xn.dtype)
+                _lm_head.check_pallas(xn, w, B * chunk, vocab)
                 return run("pallas")
 
             order = ops.with_xla_fallback(self.implementation)

@@ -102,6 +102,20 @@ def test_refuses_what_it_does_not_serve():
         ce.ce_grad(jnp.zeros((64, 128), jnp.bfloat16), z[:8], z, z)
 
 
+def test_head_refuses_auto_mesh_axes():
+    """Under Auto mesh axes the kernels (opaque to the partitioner) are not tried: the head's
+    check raises NotImplementedError, so HybridLM.loss falls back to xla."""
+    x = jnp.zeros((2, 64, 32), jnp.bfloat16)
+    w = jnp.zeros((ce.COLS, 32), jnp.bfloat16)
+    with pk.use_mode("interpret"):
+        _lm_head.check_pallas(x, w, 128, ce.COLS)  # no mesh: served
+        mesh = jax.make_mesh(
+            (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+        )
+        with jax.set_mesh(mesh), pytest.raises(NotImplementedError, match="partitioner"):
+            _lm_head.check_pallas(x, w, 128, ce.COLS)
+
+
 def test_lowers_for_cuda():
     R, V = 2048, 1940 * ce.COLS  # one chunk of qwen3_5_0_8b's head at B4
     args = (
