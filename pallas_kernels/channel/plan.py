@@ -35,8 +35,8 @@ Reasons:
   operands; it serves every call, so it replaced both.
 - dq/dk/dw and WY K-split: half-size register tiles and under half the shared memory per CTA, so
   two CTAs share an SM. On the H200 at B4 T4096 HV16 (``bench_gdn.py --stages``, bf16,
-  K = V = 128) it halves both kernels' time (2.62 vs 5.72 ms and 2.04 vs 4.57 ms, RESULTS.md's
-  stage table). bf16 keeps the K-split at K = V = 128 only (the shape of that benchmark; at
+  K = V = 128) it takes 0.59 vs 3.63 ms (dq/dk/dw) and 0.79 vs 2.74 ms (WY), RESULTS.md's stage
+  table. bf16 keeps the K-split at K = V = 128 only (the shape of that benchmark; at
   V = 64 the one-CTA kernels run). f16 at K = 128 needs it at either V: the one-CTA forms have
   no shared memory for the f16 staging tiles there.
 - dq/dk/dw at K = 64: the one-CTA bf16 kernel already has [C, 64] tiles; f16 runs the K-split
