@@ -175,8 +175,11 @@ def test_default_order_per_variant(monkeypatch):
     monkeypatch.setattr(ops, "_on_hopper", lambda: True)
     assert ops.default_implementations("gdn") == ("pallas", "xla")
     assert ops.default_implementations("step") == ("pallas", "xla")
-    for v in ("kda", "gdn2"):
+    for v in ("kda", "gdn2", "short_conv", "lm_head"):
         assert ops.default_implementations(v) == ("pallas", "xla")
+    assert ops.with_xla_fallback(None) is None
+    assert ops.with_xla_fallback("pallas") == ("pallas", "xla")
+    assert ops.with_xla_fallback(("xla", "pallas")) == ("xla", "pallas")
 
 
 def test_broken_kernel_import_raises(monkeypatch):
