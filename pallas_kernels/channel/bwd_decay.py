@@ -70,14 +70,13 @@ from jax import lax
 from pallas_kernels import _compat as cp
 from pallas_kernels import _tiles
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import CHUNK
+from pallas_kernels._tiles import CHUNK, ex2_exp
 
 SUB = 16
 NSUB = CHUNK // SUB
 HALF = 64  # key / value columns per CTA or per pass of the split kernels (K = 128 in two)
 SWIZZLE = 32  # bytes: the decayed products' tiles, 16-wide contraction steps for wgmma
 f32 = jnp.float32
-LOG2E = 1.4426950408889634
 
 __all__ = [
     "Decay",
@@ -90,11 +89,6 @@ __all__ = [
     "operand_dtype",
     "product_smem",
 ]
-
-
-def _exp(x: jax.Array) -> jax.Array:
-    """e^x as 2^(x·log2 e) (the ex2 instruction; see :mod:`pallas_kernels.channel.intra`)."""
-    return jnp.exp2(x * LOG2E)
 
 
 def operand_dtype(dt):
@@ -228,9 +222,9 @@ class Decay:
                 for a, b in pairs:
                     plgpu.wgmma(acc, a, b)
                 if keep is None:
-                    f = _exp(expo)
+                    f = ex2_exp(expo)
                 else:  # masked before exp: outside the triangle F would overflow
-                    f = _exp(jnp.where(keep, expo, 0.0))
+                    f = ex2_exp(jnp.where(keep, expo, 0.0))
                 plgpu.wgmma_wait(0)
                 t = acc[...] * f
                 return t if keep is None else jnp.where(keep, t, 0.0)
@@ -255,7 +249,7 @@ class Decay:
         def factor(J):  # F_J,i = e^{G_i − r_J} for rows i ≥ 16 J
             return (None if J == 0 else self.blk >= J), self.G() - self.bref(J)
 
-        Yf = Y * _exp(self.own_ref() - self.G())  # Y_j e^{r_{J(j)} − G_j}
+        Yf = Y * ex2_exp(self.own_ref() - self.G())  # Y_j e^{r_{J(j)} − G_j}
         return self._blocks(d_blk, Yf, ys_s, lo_s, factor)
 
     def cols(self, d_s, X, xs_s, *, lo_s=None) -> jax.Array:
@@ -272,5 +266,5 @@ class Decay:
         def factor(I):  # F_I,j = e^{r_I − G_j} for rows j < 16 I + 16
             return (None if I == NSUB - 1 else self.blk <= I), self.bref(I) - self.G()
 
-        Xf = X * _exp(self.G() - self.own_ref())  # X_i e^{G_i − r_{I(i)}}
+        Xf = X * ex2_exp(self.G() - self.own_ref())  # X_i e^{G_i − r_{I(i)}}
         return self._blocks(d_blk, Xf, xs_s, lo_s, factor)
