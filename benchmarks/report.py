@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results import RESULTS_DIR, TOPICS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MAX_LINES = 210
+MAX_LINES = 200
 
 
 def load(directory: Path = RESULTS_DIR) -> dict[str, dict | None]:
