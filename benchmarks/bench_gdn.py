@@ -124,6 +124,30 @@ def time_jax(f, args, *, iters=20, reps=7) -> float:
     return 1e3 * statistics.median(times)
 
 
+def pallas_vs_xla_main(doc: str, shapes: dict, bench, argv=None, *, iters: int = 20) -> int:
+    """The command line of a script that times one op's pallas and xla forms in one run
+    (``bench_short_conv.py``, ``bench_lm_head.py``): ``bench(name, iters)`` returns a shape's
+    ``ops`` rows (with ``pallas_ms``, ``xla_ms``, ``floor_ms``); they are printed as a table and
+    added to the ``ops`` file of :mod:`benchmarks.results`."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="*", default=list(shapes), choices=list(shapes))
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--json", default="auto", help="ops file to update; auto: on a GPU")
+    args = p.parse_args(argv)
+    date, rows = results.now(), []
+    w = max(map(len, args.shapes), default=5)
+    print(f"{'shape':{w}s} {'mode':7s} {'pallas ms':>9s} {'xla ms':>8s} {'xla/pallas':>10s} "
+          f"{'floor ms':>8s}")  # fmt: skip
+    for name in args.shapes:
+        for r in bench(name, args.iters):
+            rows.append(r)
+            ratio = r["xla_ms"] / r["pallas_ms"]
+            print(f"{name:{w}s} {r['mode']:7s} {r['pallas_ms']:9.3f} {r['xla_ms']:8.3f} "
+                  f"{ratio:10.2f} {r['floor_ms']:8.3f}", flush=True)  # fmt: skip
+    results.write(results.output_path(args.json, "ops"), "ops", rows, date=date)
+    return 0
+
+
 def bench_jax(
     s,
     impl,

@@ -15,7 +15,6 @@ Results: rows ``variant="short_conv", shape, mode, dtype, pallas_ms, xla_ms, flo
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -23,8 +22,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 import gdn_jax  # noqa: E402
-from benchmarks import results  # noqa: E402
-from benchmarks.bench_gdn import COPY_BW, time_jax  # noqa: E402
+from benchmarks.bench_gdn import COPY_BW, pallas_vs_xla_main, time_jax  # noqa: E402
 
 # name -> (B, T, C, packed)
 SHAPES = {
@@ -73,22 +71,7 @@ def bench(name: str, iters: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--json", default="auto", help="ops file to update; auto: on a GPU")
-    args = p.parse_args(argv)
-    date, rows = results.now(), []
-    print(f"{'shape':20s} {'mode':7s} {'pallas ms':>9s} {'xla ms':>8s} {'xla/pallas':>10s} "
-          f"{'floor ms':>8s}")  # fmt: skip
-    for name in args.shapes:
-        for r in bench(name, args.iters):
-            rows.append(r)
-            ratio = r["xla_ms"] / r["pallas_ms"]
-            print(f"{name:20s} {r['mode']:7s} {r['pallas_ms']:9.3f} {r['xla_ms']:8.3f} "
-                  f"{ratio:10.2f} {r['floor_ms']:8.3f}", flush=True)  # fmt: skip
-    results.write(results.output_path(args.json, "ops"), "ops", rows, date=date)
-    return 0
+    return pallas_vs_xla_main(__doc__, SHAPES, bench, argv, iters=20)
 
 
 if __name__ == "__main__":
