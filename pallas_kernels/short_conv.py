@@ -36,6 +36,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import ex2_exp
 
 __all__ = [
     "ROWS",
@@ -68,6 +69,11 @@ def blocks_per_cta(B: int, T: int, C: int) -> int:
     while blocks > 1 and (C // COLS) * B * pl.cdiv(n, blocks) < MIN_CTAS:
         blocks //= 2
     return blocks
+
+
+def _sigmoid(x: jax.Array) -> jax.Array:
+    """1 / (1 + e^{−x}) with the ex2 instruction (0 at x → −∞, where e^{−x} is inf)."""
+    return 1.0 / (1.0 + ex2_exp(-x))
 
 
 def _rows(ref, start) -> jax.Array:
@@ -218,7 +224,7 @@ def short_conv_fwd(x, wb, reach, *, activation, out_dtype, blocks: int | None = 
                 for r in range(0, ROWS, SUB):
                     masks = _masks(reach_s.at[slot], r, W) if packed else None
                     pre = _pre(x_s.at[slot], r, w, masks)
-                    y = pre * jax.nn.sigmoid(pre) if activation == "silu" else pre
+                    y = pre * _sigmoid(pre) if activation == "silu" else pre
                     y_s.at[slot, pl.ds(r, SUB)][...] = y.astype(out_dtype)
                 plgpu.commit_smem()
                 t0 = (block0 + i) * ROWS
@@ -297,7 +303,7 @@ def short_conv_bwd(
                         for j in range(W):
                             tap = _masked(xr[j] * w[j], masks, j)
                             pre = tap if pre is None else pre + tap
-                        s = jax.nn.sigmoid(pre)
+                        s = _sigmoid(pre)
                         dpre = dpre * (s + pre * s * (1.0 - s))
                     dpre_s.at[pl.ds(r, SUB)][...] = dpre
                     if r < ROWS:

@@ -12,7 +12,8 @@ The gradient kernel reads the logits once more and writes d in the logits' dtype
 read of the logits per kernel (``benchmarks/bench_lm_head.py`` times them against XLA's form).
 
 Column indices travel as f32 (exact below 2^24 columns), targets too. Sums and exponentials are
-f32; a NaN logit makes its row's Σ, and so its lse, NaN.
+f32, the exponentials as 2^(x·log2 e) (:func:`pallas_kernels._tiles.ex2_exp`: the ex2
+instruction); a NaN logit makes its row's Σ, and so its lse, NaN.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
+from pallas_kernels._tiles import ex2_exp
 
 __all__ = ["ROWS", "COLS", "check", "splits_for", "ce_stats", "combine", "ce_grad"]
 
@@ -96,8 +98,8 @@ def ce_stats(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
                 # tiles past the end (the last split's clamped reads of tile `tiles − 1`) add
                 # nothing: their maximum is already m and their sum is weighted by 0
                 valid = (t < tiles).astype(f32)
-                tile_sum = jnp.sum(jnp.exp(v - cp.bcast_rows(new_m, v.shape)), axis=1)
-                s = s * jnp.exp(m - new_m) + valid * tile_sum
+                tile_sum = jnp.sum(ex2_exp(v - cp.bcast_rows(new_m, v.shape)), axis=1)
+                s = s * ex2_exp(m - new_m) + valid * tile_sum
                 top = jnp.where(tm > m, -neg_col, top)  # ties keep the earlier column
                 return new_m, s, top
 
@@ -167,7 +169,7 @@ def ce_grad(logits: jax.Array, lse: jax.Array, target: jax.Array, scale: jax.Arr
             def step(idx, x_s):
                 t = jnp.minimum(first + idx[0], tiles - 1)
                 v = cp.load_tile(x_s).astype(f32)
-                p = jnp.exp(v - cp.bcast_rows(lse_r, v.shape))
+                p = ex2_exp(v - cp.bcast_rows(lse_r, v.shape))
                 hit = _columns(t) == cp.bcast_rows(tgt_r, v.shape)
                 d = (p - jnp.where(hit, 1.0, 0.0)) * cp.bcast_rows(sc_r, v.shape)
                 slot = lax.rem(idx[0], 2)
