@@ -10,6 +10,10 @@ scaling, read it twice). A CTA walks consecutive tiles through a two-stage TMA p
 The backward takes the cotangent as f32 parts as the chunked cores' backward kernels write them
 (GDN: dk in two parts, from two kernels), each ``[R, G, K]``: G value heads per q/k head (GVA),
 summed here, so neither the parts' sum nor the head fold is its own pass.
+
+Non-finite values of x (NaN, ±inf) are read as 0, forward and backward: the kernels apply
+:func:`gdn_jax.ops._sanitize.finite` (whose derivative is straight through) as they load x, so
+that the op's sanitation of q and k (``gdn_jax.gated_delta_rule``) is no pass of its own.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ def check(x) -> None:
         raise NotImplementedError(f"{x.shape=}: the kernels take R % 64 == 0 and K in {{64, 128}}")
 
 
+def _finite(v: jax.Array) -> jax.Array:
+    """v with NaN and ±inf replaced by 0 (``|v| < inf`` is false for both)."""
+    return jnp.where(jnp.abs(v) < jnp.inf, v, 0.0)
+
+
 def _store(v, out_s, out_g, first, t) -> None:
     """Tile ``t`` of the CTA's run (f32 [64, K]) to rows ``(first + t) · 64 …`` of ``out_g``
     through slot t % 2 of ``out_s`` (free once the store of tile t − 2 has read it)."""
@@ -58,7 +67,7 @@ def _store(v, out_s, out_g, first, t) -> None:
 
 
 def l2norm_fwd(x: jax.Array, *, eps: float) -> jax.Array:
-    """y = x / sqrt(Σ x² + eps) per row.
+    """y = x / sqrt(Σ x² + eps) per row, non-finite values of x read as 0.
 
     Args:
       x: [R, K] bf16/f16, R a multiple of 64, K ∈ {64, 128}.
@@ -75,7 +84,7 @@ def l2norm_fwd(x: jax.Array, *, eps: float) -> jax.Array:
 
         def scoped(y_s):
             def step(idx, x_s):
-                v = cp.load_tile(x_s).astype(f32)
+                v = _finite(cp.load_tile(x_s).astype(f32))
                 r = lax.rsqrt(jnp.sum(v * v, axis=1) + eps)
                 _store(v * cp.bcast_rows(r, v.shape), y_s, y_g, first, idx[0])
 
@@ -91,7 +100,8 @@ def l2norm_fwd(x: jax.Array, *, eps: float) -> jax.Array:
 
 
 def l2norm_bwd(x: jax.Array, parts: tuple[jax.Array, ...], *, eps: float) -> jax.Array:
-    """The cotangent of x for :func:`l2norm_fwd` (its y is recomputed in f32 from x).
+    """The cotangent of x for :func:`l2norm_fwd` (its y is recomputed in f32 from x; non-finite
+    values of x read as 0, the derivative of that replacement taken as 1).
 
     Args:
       x: [R, K] bf16/f16, the forward's input.
@@ -114,7 +124,7 @@ def l2norm_bwd(x: jax.Array, parts: tuple[jax.Array, ...], *, eps: float) -> jax
 
         def scoped(dx_s):
             def step(idx, x_s, *g_tiles):
-                v = cp.load_tile(x_s).astype(f32)
+                v = _finite(cp.load_tile(x_s).astype(f32))
                 g = None
                 for t in g_tiles:
                     gt = cp.load_tile(t)

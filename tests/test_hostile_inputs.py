@@ -265,6 +265,41 @@ def test_pallas_interpreter_full_reset():
     assert float(jnp.sqrt(jnp.mean((o - ref) ** 2) / jnp.mean(ref**2))) < 1e-2
 
 
+def test_pallas_interpreter_non_finite_q_k_through_the_l2norm():
+    """With use_qk_l2norm the GDN kernels get the raw q and k (their l2norm reads non-finite
+    values as 0): outputs, final state and gradients match the xla path's, NaN where it has NaN."""
+    pk = pytest.importorskip("pallas_kernels._compat")
+    x = random_inputs(4, B=1, T=64, H=1, HV=1, K=64, V=64)
+    q, k, v = [x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")]
+    q = q.at[0, 30, 0, 5].set(jnp.nan)
+    k = k.at[0, 40, 0, 1].set(jnp.inf)
+
+    def run(impl, q, k, v):
+        o, s = gdn_jax.gated_delta_rule(q, k, v, x["g"], x["beta"], implementation=impl,
+                                        use_qk_l2norm=True, output_final_state=True)  # fmt: skip
+        return o, s
+
+    def grads(impl, q, k, v):
+        loss = lambda q, k, v: jnp.sum(jnp.where(jnp.isnan(o := run(impl, q, k, v)[0]), 0, o))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with pk.use_mode("interpret"):
+        try:
+            got = run("pallas", q, k, v), grads("pallas", q, k, v)
+        finally:
+            pk.reset_interpreter()
+    want = run("xla", q, k, v), grads("xla", q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        fin = np.isfinite(b)
+        if fin.any():  # (the final state is NaN in every column: k's inf poisons the head)
+            err = np.sqrt(np.mean((a[fin] - b[fin]) ** 2) / max(np.mean(b[fin] ** 2), 1e-30))
+            assert err < 2e-2, err
+    o = np.asarray(got[0][0], np.float32)
+    assert np.all(np.isfinite(o[:, :30])) and np.all(np.isnan(o[:, 40:]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Non-finite values do not spread backwards within a chunk
 

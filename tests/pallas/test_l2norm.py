@@ -51,6 +51,19 @@ def test_interpret_matches_autodiff(K, G, n_parts, dtype):
     assert np.all(np.asarray(y[5], f32) == 0)
 
 
+def test_interpret_reads_non_finite_values_as_zero():
+    """NaN and ±inf in x are read as 0 forward and backward (gdn_jax.ops._sanitize.finite, whose
+    derivative is straight through): the op passes the raw q and k to the kernels."""
+    x, parts = _case(128, 128, 1, 1)
+    x = x.at[3, 7].set(jnp.nan).at[9, 0].set(jnp.inf).at[9, 5].set(-jnp.inf)
+    y, dx = run_interpreted(jax.jit(_kernels), x, parts)
+    y_ref, dx_ref = _reference(jnp.where(jnp.isfinite(x), x, 0), parts)
+    assert bool(jnp.all(jnp.isfinite(y))) and bool(jnp.all(jnp.isfinite(dx)))
+    assert float(y[3, 7]) == 0 and float(y[9, 0]) == 0
+    assert rel_rms(y, y_ref) <= 4e-3 and rel_rms(dx, dx_ref) <= 4e-3, (
+        rel_rms(y, y_ref), rel_rms(dx, dx_ref))  # fmt: skip
+
+
 def test_refuses_what_it_does_not_serve():
     with pytest.raises(NotImplementedError, match="R % 64"):
         l2norm_fwd(jnp.zeros((100, 128), jnp.bfloat16), eps=1e-6)
