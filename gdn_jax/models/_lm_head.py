@@ -101,22 +101,27 @@ def _ce_chunks(x, w, targets, mask, chunk: int, vocab_major: bool, impl: str, gr
         dlogits = grad(logits, lse, tc, mc * inv)
         dx = jax.lax.dot_general(dlogits, w, (((1,), (1 - wd,)), ((), ())))  # [R, D]
         dims = (((0,), (0,)), ((), ()))
-        dw = carry[2] + (
+        dw = (
             jax.lax.dot_general(dlogits, xc, dims, preferred_element_type=f32)
             if vocab_major
             else jax.lax.dot_general(xc, dlogits, dims, preferred_element_type=f32)
         )
+        dw = dw if carry[2] is None else carry[2] + dw
         return (nll, acc, dw), dx.astype(x.dtype)
 
     zero = jnp.zeros((), f32)
-    init = (zero, zero, jnp.zeros(w.shape, f32)) if grads else (zero, zero)
     rows = B * T
     xs = (split(x.reshape(rows, D)), split(targets.reshape(rows)), split(mask.reshape(rows)))
-    carry, dx = jax.lax.scan(body, init, xs)
-    out = (carry[0] * inv, carry[1] * inv)
     if not grads:
-        return out, None
-    return out, (dx.reshape(B, T, D), carry[2].astype(w.dtype))
+        carry, _ = jax.lax.scan(body, (zero, zero), xs)
+        return (carry[0] * inv, carry[1] * inv), None
+    # The first chunk's weight gradient starts the f32 sum: no vocabulary-sized zeros to write
+    # and read back.
+    first = jax.tree.map(lambda a: a[0], xs)
+    (nll, acc, dw), dx0 = body((zero, zero, None), first)
+    carry, dx = jax.lax.scan(body, (nll, acc, dw), jax.tree.map(lambda a: a[1:], xs))
+    dx = jnp.concatenate([dx0[None], dx])
+    return (carry[0] * inv, carry[1] * inv), (dx.reshape(B, T, D), carry[2].astype(w.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
