@@ -94,3 +94,15 @@ def test_gpu_matches_autodiff():
     y_ref, dx_ref = jax.jit(_reference)(x, parts)
     assert rel_rms(y, y_ref) <= 4e-3 and rel_rms(dx, dx_ref) <= 4e-3, (
         rel_rms(y, y_ref), rel_rms(dx, dx_ref))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_reads_non_finite_values_as_zero():
+    x, parts = _case(4 * 4096 * 16, 128, 1, 2)
+    x = x.at[3, 7].set(jnp.nan).at[9, 0].set(jnp.inf).at[70000, 5].set(-jnp.inf)
+    y, dx = jax.jit(_kernels)(x, parts)
+    y_ref, dx_ref = jax.jit(_reference)(jnp.where(jnp.isfinite(x), x, 0), parts)
+    assert bool(jnp.all(jnp.isfinite(y))) and bool(jnp.all(jnp.isfinite(dx)))
+    assert float(y[3, 7]) == 0 and float(y[70000, 5]) == 0
+    assert rel_rms(y, y_ref) <= 4e-3 and rel_rms(dx, dx_ref) <= 4e-3, (
+        rel_rms(y, y_ref), rel_rms(dx, dx_ref))  # fmt: skip
