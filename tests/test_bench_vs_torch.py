@@ -4,6 +4,7 @@ parsing, on the CPU."""
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -159,3 +160,18 @@ def test_profile_step_attributes_time_to_model_parts():
         assert {f"{part} fwd", f"{part} bwd"} <= set(parts), (part, sorted(parts))
     assert {"lm_head fwd", "optimizer"} <= set(parts)
     assert sum(parts.values()) == pytest.approx(1.0)
+
+
+def test_profile_ops_cpu(capsys):
+    """benchmarks/profile_ops.py on the CPU (xla path): a case name of any B_T_H_HV_D form, and a
+    printed table with the op's device time."""
+    from benchmarks import profile_ops
+
+    variant, s = profile_ops.parse_case("kda:B1_T64_H1_HV2_D64")
+    assert (variant, s.B, s.T, s.H, s.HV, s.K, s.V) == ("kda", 1, 64, 1, 2, 64, 64)
+    with pytest.raises(ValueError, match="variant"):
+        profile_ops.parse_case("gla:B1_T64_H1_HV1_D64")
+    assert profile_ops.main(["--impl", "xla", "--modes", "fwd", "--iters", "1", "--top", "2",
+                             "gdn:B1_T64_H1_HV1_D64"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(r"== gdn B1_T64_H1_HV1_D64 fwd \(xla\): \d+\.\d+ ms", out), out

@@ -341,6 +341,30 @@ def test_bad_value_stays_causal(variant, where):
     np.testing.assert_allclose(jnp.where(fin, o, 0), jnp.where(fin, ro, 0), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130, 200])
+def test_poison_first_bad_token(T):
+    """Poison.first, the first bad token per (row, head, column), reduced over 64-token blocks
+    and then over the blocks (padding T to a multiple of 64), equals a plain search of the
+    flags for every T, with several bad values per column and columns without any."""
+    from gdn_jax.ops import _sanitize
+
+    r = np.random.default_rng(T)
+    B, H, HV, K, V = 2, 1, 2, 4, 3
+    q = r.standard_normal((B, T, H, K)).astype(np.float32)
+    k = r.standard_normal((B, T, H, K)).astype(np.float32)
+    v = r.standard_normal((B, T, HV, V)).astype(np.float32)
+    g = -r.uniform(0, 1, (B, T, HV)).astype(np.float32)
+    beta = r.uniform(0, 1, (B, T, HV)).astype(np.float32)
+    for x, bad in ((v, np.nan), (v, np.inf), (k, -np.inf), (g, np.nan), (beta, np.inf)):
+        for _ in range(2):
+            x[tuple(r.integers(0, n) for n in x.shape)] = bad
+    _, poison = jax.jit(lambda *a: _sanitize.inputs(*a[:4], (a[4],), (), None))(q, k, v, g, beta)
+    head = ~np.isfinite(k).all(-1).repeat(HV // H, 2) | ~np.isfinite(g) | ~np.isfinite(beta)
+    col = head[..., None] | ~np.isfinite(v)
+    want = np.where(col.any(1), col.argmax(1), T)
+    np.testing.assert_array_equal(np.minimum(np.asarray(poison.first), T), want)
+
+
 def test_bad_value_in_a_packed_sequence_stays_in_it():
     args, _ = op_args(**SHAPE)
     cu = jnp.asarray([0, 30, 30, 80], jnp.int32)  # with an empty sequence

@@ -92,9 +92,31 @@ class Poison:
 
 
 def _bad(x: jax.Array, keep: int) -> jax.Array:
-    """Non-finite anywhere in the axes after the first ``keep``."""
+    """Non-finite anywhere in the axes after the first ``keep``, in x's own layout.
+
+    The optimization barrier keeps XLA from fusing the reduction with the transposes of the
+    gates to ``[B, HV, T]`` that the kernels read: fused, the flags of k came out transposed from
+    a reduction over its channels at an eighth of the memory bandwidth (0.27 ms of the GDN
+    forward at B1 T32768 HV16 on the H200, ``benchmarks/profile_ops.py``)."""
     bad = ~jnp.isfinite(x)
-    return jnp.any(bad, axis=tuple(range(keep, x.ndim))) if x.ndim > keep else bad
+    bad = jnp.any(bad, axis=tuple(range(keep, x.ndim))) if x.ndim > keep else bad
+    return jax.lax.optimization_barrier(bad) if x.ndim > keep else bad
+
+
+def _first(idx: jax.Array, T: int) -> jax.Array:
+    """``min`` over axis 1 (T) of ``idx`` [B, T, ...] int32, as two reductions: over 64-row
+    blocks, then over the blocks (the barrier keeps XLA from merging them back). One column
+    reduction over all of T, fused with the sanitising selects, took 0.27 ms for GDN2's v and
+    w at B4 T4096 HV16 on the H200, four times their bytes (``benchmarks/profile_ops.py``)."""
+    blk = 64
+    if T <= blk:
+        return jnp.min(idx, axis=1)
+    pad = -T % blk
+    if pad:
+        idx = jnp.pad(idx, [(0, 0), (0, pad)] + [(0, 0)] * (idx.ndim - 2), constant_values=T)
+    B = idx.shape[0]
+    part = jnp.min(idx.reshape((B, (T + pad) // blk, blk) + idx.shape[2:]), axis=2)
+    return jnp.min(jax.lax.optimization_barrier(part), axis=1)
 
 
 def inputs(q, k, v, g, heads, cols, cu_seqlens):
@@ -115,7 +137,7 @@ def inputs(q, k, v, g, heads, cols, cu_seqlens):
     head = jnp.repeat(_bad(k, 3), rep, axis=2)
     g32 = g.astype(f32)
     bad_g = jnp.isnan(g32) | (g32 == jnp.inf)
-    head = head | (jnp.any(bad_g, axis=3) if g.ndim == 4 else bad_g)
+    head = head | (jax.lax.optimization_barrier(jnp.any(bad_g, axis=3)) if g.ndim == 4 else bad_g)
     for x in heads:
         head = head | _bad(x, 3)
     col = ~jnp.isfinite(v)
@@ -128,7 +150,7 @@ def inputs(q, k, v, g, heads, cols, cu_seqlens):
     col_idx = jnp.where(col, t[..., None], T)  # [B, T, HV, V]
     if cu_seqlens is None:
         seq = None
-        first = jnp.minimum(jnp.min(head_idx, axis=1)[..., None], jnp.min(col_idx, axis=1))
+        first = jnp.minimum(_first(head_idx, T)[..., None], _first(col_idx, T))
     else:
         seq = sequence_ids(cu_seqlens, T)
         n = cu_seqlens.shape[0] - 1
