@@ -91,16 +91,21 @@ class Poison:
         return s + jnp.where(self.first < T, jnp.nan, 0.0)[:, :, None, :].astype(s.dtype)
 
 
-def _bad(x: jax.Array, keep: int) -> jax.Array:
-    """Non-finite anywhere in the axes after the first ``keep``, in x's own layout.
+def _any_after(flags: jax.Array, keep: int) -> jax.Array:
+    """``flags`` reduced by ``any`` over the axes after the first ``keep``, in their own layout.
 
     The optimization barrier keeps XLA from fusing the reduction with the transposes of the
     gates to ``[B, HV, T]`` that the kernels read: fused, the flags of k came out transposed from
     a reduction over its channels at an eighth of the memory bandwidth (0.27 ms of the GDN
     forward at B1 T32768 HV16 on the H200, ``benchmarks/profile_ops.py``)."""
-    bad = ~jnp.isfinite(x)
-    bad = jnp.any(bad, axis=tuple(range(keep, x.ndim))) if x.ndim > keep else bad
-    return jax.lax.optimization_barrier(bad) if x.ndim > keep else bad
+    if flags.ndim == keep:
+        return flags
+    return jax.lax.optimization_barrier(jnp.any(flags, axis=tuple(range(keep, flags.ndim))))
+
+
+def _bad(x: jax.Array, keep: int) -> jax.Array:
+    """Non-finite anywhere in the axes after the first ``keep``."""
+    return _any_after(~jnp.isfinite(x), keep)
 
 
 def _first(idx: jax.Array, T: int) -> jax.Array:
@@ -137,7 +142,7 @@ def inputs(q, k, v, g, heads, cols, cu_seqlens):
     head = jnp.repeat(_bad(k, 3), rep, axis=2)
     g32 = g.astype(f32)
     bad_g = jnp.isnan(g32) | (g32 == jnp.inf)
-    head = head | (jax.lax.optimization_barrier(jnp.any(bad_g, axis=3)) if g.ndim == 4 else bad_g)
+    head = head | _any_after(bad_g, 3)
     for x in heads:
         head = head | _bad(x, 3)
     col = ~jnp.isfinite(v)
