@@ -1,12 +1,13 @@
 """Where a chunked op's device time goes: a ``jax.profiler`` trace of its kernels and XLA fusions.
 
 Times the public op (``gated_delta_rule``, ``kda``, ``gdn2``; inputs of
-``bench_gdn.inputs``, bf16 io) forward and forward+backward (``value_and_grad`` of
-``sum(o * do)``) as ``bench_gdn.py`` does, traces ``--iters`` calls of each and prints, per
-HLO op of the compiled program, its device time per call, its category and the JAX operation
-that made it (:func:`profile_step.op_times`, :func:`profile_step.hlo_ops`). Unlike
-``bench_gdn.py --stages``, which times each kernel jitted alone, this shows the op's own XLA
-work (input sanitation, gate cumsum, transposes, output poisoning) as XLA fused it.
+``bench_gdn.inputs``, bf16 io) forward and forward+backward (the forward and its VJP with the
+cotangent ``do``, :func:`bench_gdn.forward_backward`) as ``bench_gdn.py`` does, traces
+``--iters`` calls of each and prints, per HLO op of the compiled program, its device time per
+call, its category and the JAX operation that made it (:func:`profile_step.op_times`,
+:func:`profile_step.hlo_ops`). Unlike ``bench_gdn.py --stages``, which times each kernel jitted
+alone, this shows the op's own XLA work (input sanitation, gate cumsum, transposes, output
+poisoning) as XLA fused it.
 
     python benchmarks/profile_ops.py gdn:B1_T32768_H16_HV16_D128 kda:B4_T4096_H16_HV16_D128
     python benchmarks/profile_ops.py --impl xla gdn:B1_T256_H2_HV2_D128 --iters 1   # CPU check
@@ -68,11 +69,7 @@ def programs(variant: str, s, impl: str):
     def op(*a):
         return fn(*a, implementation=impl)[0]
 
-    def loss(*a):
-        *a, d = a
-        return jnp.sum(op(*a).astype(jnp.float32) * d.astype(jnp.float32))
-
-    fb = jax.value_and_grad(loss, argnums=range(len(args)))
+    fb = bench_gdn.forward_backward(op)
     return {"fwd": (jax.jit(op), args), "fwdbwd": (jax.jit(fb), args + (do,))}
 
 

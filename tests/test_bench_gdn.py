@@ -1,17 +1,19 @@
-"""benchmarks/bench_gdn.py on the CPU: forced segment counts go through the public op."""
+"""benchmarks/bench_gdn.py on the CPU: forced segment counts go through the public op; the timed
+forward+backward is the op's VJP with the cotangent do."""
 
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from gdn_cases import lowered_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gdn_jax  # noqa: E402
-from benchmarks.bench_gdn import forced_segments  # noqa: E402
+from benchmarks.bench_gdn import forced_segments, forward_backward, inputs  # noqa: E402
 from pallas_kernels import _compat as pk  # noqa: E402
 
 
@@ -29,3 +31,28 @@ def test_forced_segments_reach_the_public_op(segments, has_map):
     with forced_segments(segments), pk.cuda_lowering_mesh():
         txt = jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert lowered_kernels(txt, ("gdn_segment_map",)) == ({"gdn_segment_map"} if has_map else set())
+
+
+def test_forward_backward_is_the_vjp_with_do():
+    """forward_backward(op)(*args, do) returns o and the gradients of Σ o·do (what FLA's
+    o.backward(do) computes), without that loss in the program."""
+    from benchmarks.shapes import Shape
+
+    s = Shape("B1_T64_H1_HV2_D64", 1, 64, 1, 2)
+    x = inputs(s, variant="kda")
+    args = tuple(jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
+    args += (jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+    do = jnp.asarray(x["do"], jnp.bfloat16)
+
+    def op(*a):
+        return gdn_jax.kda(*a, implementation="xla")[0]
+
+    o, grads = jax.jit(forward_backward(op))(*args, do)
+    loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32) * do.astype(jnp.float32))  # noqa: E731
+    want = jax.grad(loss, argnums=range(len(args)))(*args)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(op(*args), np.float32))
+    assert len(grads) == len(args)
+    for a, b in zip(grads, want, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(b).max() > 0
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
