@@ -397,7 +397,7 @@ def bench_segment_stages(s, x, S: int) -> dict:
 
 def bench_channel_stages(s, x, variant) -> dict:
     """Per-kernel times of the GDN2/KDA pallas forward and backward (padded layout, T a multiple
-    of 64): ``chan_intra`` as inference runs it, ``chan_intra(store_a…)`` as a differentiated
+    of 64): ``chan_intra`` (its two kernels, wy and qk) as inference runs it, ``chan_intra(store_a…)`` as a differentiated
     forward runs it (keeping A for the backward), then the backward's kernels in the order
     :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(k_split)``
     times the variant of a backward kernel with one CTA per half of K. ``sanitize_inputs``,

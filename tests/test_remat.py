@@ -209,7 +209,7 @@ def test_channel_pallas_products_follow_the_policy():
             txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert sorted(moved) == ([("bf16", f"[1,{T},{H},64]")] * 6 if action == "offload" else [])
         calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
-        intra = sum(bool(re.search(r"\\00chan_intra\\00", ln)) for ln in calls)
+        intra = sum(bool(re.search(r"\\00chan_intra_wy\\00", ln)) for ln in calls)
         assert intra == (2 if action == "remat" else 1), (action, intra)
 
 

@@ -1,7 +1,10 @@
 """Stage 2 of chunked GDN2 / KDA: the intra-chunk WY representation with a decay per key channel.
 
-Two CTAs (one warpgroup each) per (chunk, value head, batch row), :func:`_intra_body`: one
-forms L → A → w, u (and A), the other Aqk, qg, kg. Per chunk of C = 64 rows, with G the
+Two kernels, each one CTA (one warpgroup) per (chunk, value head, batch row): ``chan_intra_wy``
+(:func:`_wy_body`) forms L → A → w, u (and A), ``chan_intra_qk`` (:func:`_qk_body`) Aqk, qg, kg.
+The two share nothing but G and k; as separate kernels each gets its own register allocation and
+shared-memory footprint (the qk kernel's fits three CTAs per SM, the wy kernel's two) instead of
+the larger of the two. Per chunk of C = 64 rows, with G the
 chunk-local cumulative log-decay per key channel ([C, K], natural log, f32), b the erase gate and
 w_gate the write gate (KDA: b = w_gate = β per token), they compute the stages of
 :func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
@@ -27,7 +30,7 @@ dropped with ``where``, never multiplied by a mask. The column operand of all fo
 [C, 64] tile (each row against its own block's reference), block J reading its rows 16 J …
 16 J + 15.
 
-Both CTAs contract over K in 64-column passes (K/64 of them; w leaves in K/64 and u in V/64
+Both kernels contract over K in 64-column passes (K/64 of them; w leaves in K/64 and u in V/64
 column blocks), so only [64, 64] f32 register tiles are live and a CTA needs under half an SM's
 shared memory: two CTAs share an SM. K, V ∈ {64, 128}.
 
@@ -52,6 +55,7 @@ strong decay) are stored subnormal, like any f16 rounding of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +67,8 @@ from pallas_kernels._tiles import (
     CHUNK,
     Bars,
     accumulate_passes,
+    chunk_coords,
     ex2_exp,
-    pair_chunk_coords,
     per_chunk_kernel,
 )
 from pallas_kernels.channel.bwd_decay import (
@@ -105,21 +109,6 @@ class ChannelIntraConfig:
             raise ValueError(f"{self.w_quant=} must be None or one of {tuple(W_QUANT)}")
 
 
-def _intra_refs(refs, cfg: ChannelIntraConfig) -> tuple:
-    """The kernel's GMEM refs by name, None where absent: (q, k, v, G, gr, gl, β, b, w_gate |
-    qg, kg, w, u, Aqk, A) — KDA has β, GDN2 b and w_gate; A only with ``store_a``."""
-    n_in = 7 if cfg.scalar_beta else 8
-    ins, outs = refs[:n_in], refs[n_in:]
-    if cfg.scalar_beta:
-        q, k, v, G, gr, gl, be = ins
-        b = wg = None
-    else:
-        q, k, v, G, gr, gl, b, wg = ins
-        be = None
-    a = outs[5] if cfg.store_a else None
-    return (q, k, v, G, gr, gl, be, b, wg, *outs[:5], a)
-
-
 def _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt) -> jax.Array:
     """A = (I + L)⁻¹ of the strictly lower [C, C] f32 tile ``L`` (scratch ``x_s``, ``oy_s``),
     written in ``dt`` to the GMEM view ``a_dst`` unless it is None. Returns the left operand of
@@ -136,95 +125,50 @@ def _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt) -> jax.Array:
     return X
 
 
-def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
-    """Grid axis "h" runs over 2·HV: CTA h = 2 hv + t does task t of value head hv.
+class _Factored:
+    """The decay-factored products both kernels form (L in the wy kernel, Aqk in the qk kernel),
+    with their scratch tiles, for io dtype ``dt``.
 
-    The products L and Aqk share their column operand, but nothing else: L feeds the inverse and
-    w, u; Aqk, qg and kg stand apart. So the tasks are
+    f16 io stages the factored operands as bf16 hi/lo pairs in their own pass-scoped tiles (the
+    f16 staging tiles keep the other roles: outputs, Aqk); bf16 io stages them in ``dt``."""
 
-      t = 0 ("wy"):  L → A = (I + L)⁻¹ → w, u (and A when ``store_a``)
-      t = 1 ("qk"):  Aqk, qg, kg
+    def __init__(self, dt):
+        self.dt = dt
+        self.hilo = dt == jnp.float16
 
-    with no work done twice except the column operand's exponentials. Both contract over K in
-    K/64 passes of 64 columns (each pass adds its partial products to four [C, 16] f32 register
-    tiles, one per column block, :func:`pass_products`); w leaves in K/64 and u in V/64 blocks
-    of 64 columns (K and V need not match). So every register tile is at most [C, 64] f32 (32
-    registers a thread) and a pass's SMEM is released before the next one loads.
+    def tile(self, dtype=None):
+        """One [C, 64] scratch tile (16-bit operand by default)."""
+        return cp.smem((CHUNK, HALF), self.dt if dtype is None else dtype)
 
-    SMEM bytes per CTA at K = V = 128, 16-bit io (a buffer one variant lacks is a 32-byte
-    placeholder there; barriers 8 B each):
+    def hilo_tiles(self) -> tuple:
+        """(row, column) operand pairs, each (hi, lo) bf16 tiles; none for bf16 io."""
+        if not self.hilo:
+            return ()
+        return tuple((self.tile(jnp.bfloat16), self.tile(jnp.bfloat16)) for _ in range(2))
 
-      wy, always:    inverse scratch x, oy [C, C] 8192 each; w's right operand b ⊙ e^G ⊙ k
-                     2 × [C, 64] 16384; v 2 × [C, 64] 16384 (prefetched); operand / output
-                     staging 2 × [C, 64] 16384; β 256 (KDA); 12 / 9 barriers
-                                                          GDN2 65 664 / KDA 65 864
-      wy, L pass:    k [C, 64] 8192, G [C, 64] f32 16384, reference rows [4, 64] f32 1024,
-                     b [C, 64] f32 16384 (GDN2)           GDN2 41 984 / KDA 25 632
-      wy, tail:      w_gate 2 × [C, 64] f32 32768 (GDN2)  GDN2 32 768 / KDA 32
-      qk, always:    operand / Aqk staging 2 × [C, 64] 16384; qg/kg staging 2 × [C, 64]
-                     16384; 10 barriers                   32 848
-      qk, pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 256
-                                                          34 048
-
-    Peak (wy: always + L pass): 107 648 B (GDN2) / 91 496 B (KDA); the two tasks' scopes are
-    alternatives (branches of one kernel), so a CTA needs the larger. Mosaic's count when
-    lowering (bf16, with its alignment): 108 720 B (GDN2) / 93 336 B (KDA), so two CTAs share an
-    SM (228 KiB, 1 KiB reserved per CTA; tests/pallas/test_channel_intra.py lowers it under that
-    limit).
-
-    f16 io: the L / Aqk operands are bf16 hi/lo pairs, four [C, 64] bf16 tiles (32 768 B) in each
-    pass's scope (the f16 staging tiles cannot hold bf16). To stay under half an SM, the wy task
-    then allocates the inverse scratch x, oy and the output staging (32 768 B, used only after
-    the L passes) in the tail's scope instead of "always": wy peak = always (32 896 / 33 096) +
-    L pass (74 752 / 58 400); qk peak = 32 848 + 66 816. Mosaic's count (f16, K = V = 128):
-    108 720 B (GDN2) / 100 504 B (KDA); K = V = 64: 100 440 B / 100 392 B; K = 64, V = 128:
-    100 456 B / 100 440 B; K = 128, V = 64: 100 432 B / 100 496 B (K ≠ V holds fewer of the
-    per-K or per-V tiles than K = V = 128; tests/pallas/test_channel_f16_intra.py lowers every
-    K, V under the two-CTA limit).
-    """
-    scalar = cfg.scalar_beta
-    (q_g, k_g, v_g, G_g, gr_g, gl_g, be_g, b_g, wg_g,
-     qg_g, kg_g, w_g, u_g, aqk_g, a_g) = _intra_refs(refs, cfg)  # fmt: skip
-    C, H2 = CHUNK, HALF
-    c, hv, task, b, hk, rows = pair_chunk_coords(group, C)
-    kpass, vpass = k_g.shape[-1] // H2, v_g.shape[-1] // H2  # 64-column passes over K and V
-    dt = k_g.dtype
-    # f16 io: the factored L / Aqk operands as bf16 hi/lo pairs in their own pass-scoped tiles
-    # (the f16 staging tiles st_s keep the other roles: outputs, Aqk)
-    hilo = dt == jnp.float16
-
-    def hilo_tiles():  # (row, column) operand pairs, each (hi, lo); none for bf16 io
-        return tuple((tile(jnp.bfloat16), tile(jnp.bfloat16)) for _ in range(2)) if hilo else ()
-
-    def cols(p):
-        return pl.ds(p * H2, H2)
-
-    def tile(dtype=None):  # one [C, 64] scratch tile (16-bit operand by default)
-        return cp.smem((C, H2), dt if dtype is None else dtype)
-
-    def stage(s, val):
+    def stage(self, s, val):
         """Stages the factored operand ``val`` ([C, 64] f32): in ``dt`` into the tile ``s``, or
         for f16 io as the bf16 pair hi = bf16(val), lo = bf16(val − hi) into ``s = (hi, lo)``
         (the factors reach e^{8·|g|}, beyond f16's 65504; bf16 has f32's range and hi + lo
         ~16 bits of precision)."""
-        if not hilo:
-            s[...] = val.astype(dt)
+        if not self.hilo:
+            s[...] = val.astype(self.dt)
             return
         hi = val.astype(jnp.bfloat16)
         s[0][...] = hi
         s[1][...] = (val - hi.astype(f32)).astype(jnp.bfloat16)
 
-    def col_block(col_s, J):
+    def col_block(self, col_s, J):
         """The B operand of column block J: rows 16 J … 16 J + 15 of the column operand tile
         (or of each tile of a hi/lo pair), transposed, [64, 16]."""
-        if not hilo:
+        if not self.hilo:
             return col_s.at[pl.ds(SUB * J, SUB)].T
         return tuple(t.at[pl.ds(SUB * J, SUB)].T for t in col_s)
 
-    def issue(acc, row_s, col_t):
+    def issue(self, acc, row_s, col_t):
         """acc += row · col_t (asynchronous, 64 × 16 × 64); for hi/lo pairs hi·hi + hi·lo +
         lo·hi (lo·lo, ~2^-18 relative, is below the pair's own ~2^-16)."""
-        if not hilo:
+        if not self.hilo:
             plgpu.wgmma(acc, row_s, col_t)
             return
         (rh, rl), (ch, cl) = row_s, col_t
@@ -232,13 +176,13 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         plgpu.wgmma(acc, rh, cl)
         plgpu.wgmma(acc, rl, ch)
 
-    def pass_products(dec, x, row_s, col_s, k_f32, acc):
+    def pass_products(self, dec, x, row_s, col_s, k_f32, acc):
         """``acc`` (None: 0) plus this pass's 64 key columns of Σ_d x_id k_jd e^{G_id − G_jd},
         one [C, 16] f32 tile per column block J (rows i ≥ 16 J hold the products, rows above
         0; entries with i < j inside block J are garbage, inf or NaN, dropped by the caller
         with ``where``). ``x``: [C, 64] f32 in registers; ``k_f32()`` loads k. ``row_s``,
         ``col_s``: [C, 64] ``dt`` tiles, or for f16 io (hi, lo) pairs of bf16 tiles
-        (:func:`stage`).
+        (:meth:`stage`).
 
         The decay is factored around r_J (G at row 16 J + 8): the column operand is
         k_j e^{r_J − G_j} for j in J, i.e. one [C, 64] tile with every row against its own
@@ -246,7 +190,8 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
         operand of block J is x_i e^{G_i − r_J} for i ≥ 16 J (exponent masked to 0 before
         ``exp`` above, value selected to 0). G is non-increasing: factors of rows after block J
         are ≤ 1, and inside the diagonal block every factor is within e^{±8·|g|max}."""
-        stage(col_s, k_f32() * ex2_exp(dec.own_ref() - dec.G()))
+        C = CHUNK
+        self.stage(col_s, k_f32() * ex2_exp(dec.own_ref() - dec.G()))
 
         def products(*accs):
             for J in range(NSUB):
@@ -258,211 +203,284 @@ def _intra_body(*refs, cfg: ChannelIntraConfig, group: int):
                     val = x * ex2_exp(dec.G() - dec.bref(0))
                 if J:  # block J − 1's products (computed meanwhile) have read the row tile
                     plgpu.wgmma_wait(0)
-                stage(row_s, val)
+                self.stage(row_s, val)
                 plgpu.commit_smem()
-                issue(accs[J], row_s, col_block(col_s, J))
+                self.issue(accs[J], row_s, self.col_block(col_s, J))
             plgpu.wgmma_wait(0)
             return [a[...] for a in accs]
 
         out = pl.run_scoped(products, *(plgpu.ACC((C, SUB), f32) for _ in range(NSUB)))
         return out if acc is None else [a + m for a, m in zip(acc, out, strict=True)]
 
-    def wy_task():
-        def outer(x_o, oy_o, wop_s, v_s, st_o, be_s, bar):
-            """x_o, oy_o (inverse scratch), st_o (operand / output staging): None for f16 io,
-            where the tail allocates them (see :func:`late_tiles`)."""
-            bars = Bars(bar)
-            # v is needed only for u at the end: its load overlaps L and the inverse
-            v_ids = bars.load(
-                [(v_g.at[b, rows, hv, cols(p)], v_s[p]) for p in range(vpass)], wait=False
-            )
-            if scalar:
-                bars.load([(be_g.at[b, hv, rows], be_s)])
 
-            def l_pass(p, L, k_s, g_s, gr_s, b_s, *ops):
-                srcs = [
-                    (k_g.at[b, rows, hk, cols(p)], k_s),
-                    (G_g.at[b, rows, hv, cols(p)], g_s),
-                    (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), cols(p)], gr_s),
-                ]
-                if not scalar:
-                    srcs.append((b_g.at[b, rows, hv, cols(p)], b_s))
-                bars.load(srcs)
-                dec = Decay(g_s, gr_s, None, dt)
+def _cols(p):
+    """The p-th 64-column block of K or V."""
+    return pl.ds(p * HALF, HALF)
 
-                def k_f32():
-                    return cp.load_tile(k_s).astype(f32)
 
-                def bk():  # the erase-gated key (KDA: β is applied to L's rows instead)
-                    return k_f32() if scalar else cp.load_tile(b_s) * k_f32()
+def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
+    """One CTA per (chunk, value head, batch row): L → A = (I + L)⁻¹ → w, u (and A when
+    ``store_a``).
 
-                row_s, col_s = ops if hilo else st_o
-                L = pass_products(dec, bk(), row_s, col_s, k_f32, L)
-                # w's right operand b ⊙ e^G ⊙ k for these columns; the commit is also the
-                # warpgroup barrier past which the next pass's loads may overwrite this scope
-                wop_s[p][...] = (bk() * ex2_exp(dec.G())).astype(dt)
-                plgpu.commit_smem()
-                return L
+    Refs: KDA (k, v, G, gr, β | w, u[, A]); GDN2 (k, v, G, gr, b, w_gate | w, u[, A]).
 
-            L = accumulate_passes(
-                l_pass,
-                kpass,
-                tile(),  # k
-                tile(f32),  # G
-                cp.smem((NSUB, H2), f32, swizzled=False),  # reference rows
-                cp.smem((8,), f32) if scalar else tile(f32),  # b (GDN2)
-                *hilo_tiles(),
-            )
-            row = cp.iota((C, C), 0)
-            col = cp.iota((C, C), 1)
-            # inf / NaN above the diagonal of the diagonal blocks: select, never multiply
-            L = jnp.where(row > col, jnp.concatenate(L, axis=1), 0.0)
-            if scalar:
-                L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
+    L is contracted over K in K/64 passes of 64 columns (each pass adds its partial products to
+    four [C, 16] f32 register tiles, one per column block, :meth:`_Factored.pass_products`); w
+    leaves in K/64 and u in V/64 blocks of 64 columns (K and V need not match). So every
+    register tile is at most [C, 64] f32 (32 registers a thread) and a pass's SMEM is released
+    before the next one loads.
 
-            def tail(wg_s, *own):
-                x_s, oy_s, st_s = own if hilo else (x_o, oy_o, st_o)
-                wg_ids = []
-                if not scalar:
-                    wg_ids = bars.load(
-                        [(wg_g.at[b, rows, hv, cols(p)], wg_s[p]) for p in range(vpass)],
-                        wait=False,
-                    )
-                a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
-                beta = be_s if scalar else None  # GDN2: be_s is an unused placeholder
-                oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, beta, dt).astype(dt)
-                plgpu.commit_smem()
+    SMEM bytes at K = V = 128, 16-bit io (a buffer one variant lacks is a 32-byte placeholder
+    there; barriers 8 B each):
 
-                n_out = [0]
+      always:    inverse scratch x, oy [C, C] 8192 each; w's right operand b ⊙ e^G ⊙ k
+                 2 × [C, 64] 16384; v 2 × [C, 64] 16384 (prefetched); operand / output
+                 staging 2 × [C, 64] 16384; β 256 (KDA); 12 / 9 barriers
+                                                      GDN2 65 664 / KDA 65 864
+      L pass:    k [C, 64] 8192, G [C, 64] f32 16384, reference rows [4, 64] f32 1024,
+                 b [C, 64] f32 16384 (GDN2)           GDN2 41 984 / KDA 25 632
+      tail:      w_gate 2 × [C, 64] f32 32768 (GDN2)  GDN2 32 768 / KDA 32
 
-                def put(val, dst):
-                    """Stores an output tile through the two staging tiles in turn."""
-                    if n_out[0] >= 2:  # the store two back used this tile: let it finish reading
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    s = st_s[n_out[0] % 2]
-                    n_out[0] += 1
-                    s[...] = val.astype(dt)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(s, dst)
+    Peak (always + L pass): 107 648 B (GDN2) / 91 496 B (KDA), under half an SM (228 KiB,
+    1 KiB reserved per CTA), so two CTAs share an SM (tests/pallas/test_channel_intra.py lowers
+    it under that limit).
 
-                w_op = lambda p: cp.matmul(oy_s, wop_s[p], (C, H2))  # noqa: E731
-                if cfg.w_quant is None:
-                    for p in range(kpass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
-                        put(w_op(p), w_g.at[b, rows, hv, cols(p)])
-                else:  # QAT: a row's (the tile's) amax spans every K-half: form all, then quantise
-                    ws = fake_quant_e4m3_tiles(
-                        tuple(w_op(p) for p in range(kpass)), W_QUANT[cfg.w_quant]
-                    )
-                    for p in range(kpass):
-                        put(ws[p], w_g.at[b, rows, hv, cols(p)])
-                bars.wait(v_ids + wg_ids)
-                for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
-                    if not scalar:  # in place: each thread rewrites the elements it read
-                        vt = cp.load_tile(v_s[p]).astype(f32)
-                        v_s[p][...] = (cp.load_tile(wg_s[p]) * vt).astype(dt)
-                        plgpu.commit_smem()
-                    put(cp.matmul(oy_s, v_s[p], (C, H2)), u_g.at[b, rows, hv, cols(p)])
-                plgpu.wait_smem_to_gmem(0)
+    f16 io: the L operands are bf16 hi/lo pairs, four [C, 64] bf16 tiles (32 768 B) in each
+    pass's scope (the f16 staging tiles cannot hold bf16). To stay under half an SM, the
+    inverse scratch x, oy and the output staging (32 768 B, used only after the L passes) are
+    allocated in the tail's scope instead of "always": peak = always (32 896 / 33 096) +
+    L pass (74 752 / 58 400).
+    """
+    scalar = cfg.scalar_beta
+    if scalar:
+        k_g, v_g, G_g, gr_g, be_g, *outs = refs
+        b_g = wg_g = None
+    else:
+        k_g, v_g, G_g, gr_g, b_g, wg_g, *outs = refs
+        be_g = None
+    w_g, u_g = outs[:2]
+    a_g = outs[2] if cfg.store_a else None
+    C = CHUNK
+    c, hv, b, hk, rows = chunk_coords(group, C)
+    kpass, vpass = k_g.shape[-1] // HALF, v_g.shape[-1] // HALF  # 64-column passes over K and V
+    dt = k_g.dtype
+    fp = _Factored(dt)
+    hilo = fp.hilo
 
-            pl.run_scoped(
-                tail,
-                cp.smem((8,), f32) if scalar else tuple(tile(f32) for _ in range(vpass)),
-                *(late_tiles() if hilo else ()),
-            )
+    def outer(x_o, oy_o, wop_s, v_s, st_o, be_s, bar):
+        """x_o, oy_o (inverse scratch), st_o (operand / output staging): None for f16 io,
+        where the tail allocates them (see :func:`late_tiles`)."""
+        bars = Bars(bar)
+        # v is needed only for u at the end: its load overlaps L and the inverse
+        v_ids = bars.load(
+            [(v_g.at[b, rows, hv, _cols(p)], v_s[p]) for p in range(vpass)], wait=False
+        )
+        if scalar:
+            bars.load([(be_g.at[b, hv, rows], be_s)])
 
-        def late_tiles():
-            return (
-                cp.smem((C, C), dt),  # inverse scratch, then the A staging
-                cp.smem((C, C), dt),  # inverse scratch, then A (KDA: A diag(β)) for w, u
-                (tile(), tile()),  # bf16 io: row / column operands; then output staging
-            )
+        def l_pass(p, L, k_s, g_s, gr_s, b_s, *ops):
+            srcs = [
+                (k_g.at[b, rows, hk, _cols(p)], k_s),
+                (G_g.at[b, rows, hv, _cols(p)], g_s),
+                (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), _cols(p)], gr_s),
+            ]
+            if not scalar:
+                srcs.append((b_g.at[b, rows, hv, _cols(p)], b_s))
+            bars.load(srcs)
+            dec = Decay(g_s, gr_s, None, dt)
 
-        x_spec, oy_spec, st_spec = late_tiles()
-        wop_spec = tuple(tile() for _ in range(kpass))  # w's right operand, per K-half
-        v_spec = tuple(tile() for _ in range(vpass))  # v (GDN2: then w_gate ⊙ v), per V-half
-        be_spec = cp.smem((C,) if scalar else (8,), f32)  # β (KDA)
-        # one barrier per load: v and w_gate per V-half, β, and per K-half pass k, G, the
-        # reference rows (and b)
-        n_bar = vpass + 1 + 3 * kpass if scalar else 2 * vpass + 4 * kpass
-        bar_spec = plgpu.Barrier(num_barriers=n_bar)
-        if hilo:
-            # f16 io: the tiles used only after the L passes (inverse scratch, output staging)
-            # live in the tail's scope, the alternative to the passes' bf16 hi/lo tiles, so the
-            # CTA stays under half an SM
-            pl.run_scoped(
-                lambda wop_s, v_s, be_s, bar: outer(None, None, wop_s, v_s, None, be_s, bar),
-                wop_spec,
-                v_spec,
-                be_spec,
-                bar_spec,
-            )
-        else:
-            pl.run_scoped(outer, x_spec, oy_spec, wop_spec, v_spec, st_spec, be_spec, bar_spec)
+            def k_f32():
+                return cp.load_tile(k_s).astype(f32)
 
-    def qk_task():
-        def outer(st_s, out_s, bar):
-            bars = Bars(bar)
+            def bk():  # the erase-gated key (KDA: β is applied to L's rows instead)
+                return k_f32() if scalar else cp.load_tile(b_s) * k_f32()
 
-            def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s, *ops):
-                bars.load(
-                    [
-                        *decay_copies(
-                            G_g,
-                            gr_g,
-                            gl_g,
-                            (g_s, gr_s, gl_s),
-                            b=b,
-                            hv=hv,
-                            c=c,
-                            rows=rows,
-                            cols=cols(p),
-                        ),
-                        (q_g.at[b, rows, hk, cols(p)], q_s),
-                        (k_g.at[b, rows, hk, cols(p)], k_s),
-                    ]
-                )
-                dec = Decay(g_s, gr_s, gl_s, dt)
-                # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1) first: their stores overlap
-                # the products
-                if p:  # the previous pass's stores must have read the staging tiles
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_s[0][...] = (cp.load_tile(q_s).astype(f32) * ex2_exp(dec.G())).astype(dt)
-                e_last = ex2_exp(dec.bref(NSUB) - dec.G())  # e^{G_last − G} ≤ 1
-                out_s[1][...] = (cp.load_tile(k_s).astype(f32) * e_last).astype(dt)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_s[0], qg_g.at[b, rows, hv, cols(p)])
-                plgpu.copy_smem_to_gmem(out_s[1], kg_g.at[b, rows, hv, cols(p)])
-                q = cp.load_tile(q_s).astype(f32)
-                row_s, col_s = ops if hilo else st_s
-                P = pass_products(dec, q, row_s, col_s, lambda: cp.load_tile(k_s).astype(f32), P)
-                plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
-                return P
-
-            P = accumulate_passes(
-                p_pass,
-                kpass,
-                tile(),  # q
-                tile(),  # k
-                *decay_smem(C, H2),  # G, reference rows, G_last
-                *hilo_tiles(),
-            )
-            row = cp.iota((C, C), 0)
-            col = cp.iota((C, C), 1)
-            P = jnp.concatenate(P, axis=1)
-            st_s[0][...] = jnp.where(row >= col, P, 0.0).astype(dt)
+            row_s, col_s = ops if hilo else st_o
+            L = fp.pass_products(dec, bk(), row_s, col_s, k_f32, L)
+            # w's right operand b ⊙ e^G ⊙ k for these columns; the commit is also the
+            # warpgroup barrier past which the next pass's loads may overwrite this scope
+            wop_s[p][...] = (bk() * ex2_exp(dec.G())).astype(dt)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st_s[0], aqk_g.at[b, rows, hv, :])
+            return L
+
+        L = accumulate_passes(
+            l_pass,
+            kpass,
+            fp.tile(),  # k
+            fp.tile(f32),  # G
+            cp.smem((NSUB, HALF), f32, swizzled=False),  # reference rows
+            cp.smem((8,), f32) if scalar else fp.tile(f32),  # b (GDN2)
+            *fp.hilo_tiles(),
+        )
+        row = cp.iota((C, C), 0)
+        col = cp.iota((C, C), 1)
+        # inf / NaN above the diagonal of the diagonal blocks: select, never multiply
+        L = jnp.where(row > col, jnp.concatenate(L, axis=1), 0.0)
+        if scalar:
+            L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
+
+        def tail(wg_s, *own):
+            x_s, oy_s, st_s = own if hilo else (x_o, oy_o, st_o)
+            wg_ids = []
+            if not scalar:
+                wg_ids = bars.load(
+                    [(wg_g.at[b, rows, hv, _cols(p)], wg_s[p]) for p in range(vpass)],
+                    wait=False,
+                )
+            a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
+            beta = be_s if scalar else None  # GDN2: be_s is an unused placeholder
+            oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, beta, dt).astype(dt)
+            plgpu.commit_smem()
+
+            n_out = [0]
+
+            def put(val, dst):
+                """Stores an output tile through the two staging tiles in turn."""
+                if n_out[0] >= 2:  # the store two back used this tile: let it finish reading
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                s = st_s[n_out[0] % 2]
+                n_out[0] += 1
+                s[...] = val.astype(dt)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(s, dst)
+
+            w_op = lambda p: cp.matmul(oy_s, wop_s[p], (C, HALF))  # noqa: E731
+            if cfg.w_quant is None:
+                for p in range(kpass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
+                    put(w_op(p), w_g.at[b, rows, hv, _cols(p)])
+            else:  # QAT: a row's (the tile's) amax spans every K-half: form all, then quantise
+                ws = fake_quant_e4m3_tiles(
+                    tuple(w_op(p) for p in range(kpass)), W_QUANT[cfg.w_quant]
+                )
+                for p in range(kpass):
+                    put(ws[p], w_g.at[b, rows, hv, _cols(p)])
+            bars.wait(v_ids + wg_ids)
+            for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
+                if not scalar:  # in place: each thread rewrites the elements it read
+                    vt = cp.load_tile(v_s[p]).astype(f32)
+                    v_s[p][...] = (cp.load_tile(wg_s[p]) * vt).astype(dt)
+                    plgpu.commit_smem()
+                put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(
-            outer,
-            (tile(), tile()),  # row / column operands, then the Aqk staging
-            (tile(), tile()),  # qg, kg staging
-            plgpu.Barrier(num_barriers=5 * kpass),
+            tail,
+            cp.smem((8,), f32) if scalar else tuple(fp.tile(f32) for _ in range(vpass)),
+            *(late_tiles() if hilo else ()),
         )
 
-    pl.when(task == 0)(wy_task)
-    pl.when(task == 1)(qk_task)
+    def late_tiles():
+        return (
+            cp.smem((C, C), dt),  # inverse scratch, then the A staging
+            cp.smem((C, C), dt),  # inverse scratch, then A (KDA: A diag(β)) for w, u
+            (fp.tile(), fp.tile()),  # bf16 io: row / column operands; then output staging
+        )
+
+    x_spec, oy_spec, st_spec = late_tiles()
+    wop_spec = tuple(fp.tile() for _ in range(kpass))  # w's right operand, per K-half
+    v_spec = tuple(fp.tile() for _ in range(vpass))  # v (GDN2: then w_gate ⊙ v), per V-half
+    be_spec = cp.smem((C,) if scalar else (8,), f32)  # β (KDA)
+    # one barrier per load: v and w_gate per V-half, β, and per K-half pass k, G, the
+    # reference rows (and b)
+    n_bar = vpass + 1 + 3 * kpass if scalar else 2 * vpass + 4 * kpass
+    bar_spec = plgpu.Barrier(num_barriers=n_bar)
+    if hilo:
+        # f16 io: the tiles used only after the L passes (inverse scratch, output staging)
+        # live in the tail's scope, the alternative to the passes' bf16 hi/lo tiles, so the
+        # CTA stays under half an SM
+        pl.run_scoped(
+            lambda wop_s, v_s, be_s, bar: outer(None, None, wop_s, v_s, None, be_s, bar),
+            wop_spec,
+            v_spec,
+            be_spec,
+            bar_spec,
+        )
+    else:
+        pl.run_scoped(outer, x_spec, oy_spec, wop_spec, v_spec, st_spec, be_spec, bar_spec)
+
+
+def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
+    """One CTA per (chunk, value head, batch row): Aqk, qg, kg.
+
+    Aqk is contracted over K in K/64 passes of 64 columns, as L in :func:`_wy_body`; qg and kg
+    leave per pass.
+
+    SMEM bytes at K = 128, 16-bit io (barriers 8 B each):
+
+      always:    operand / Aqk staging 2 × [C, 64] 16384; qg/kg staging 2 × [C, 64]
+                 16384; 10 barriers                   32 848
+      pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 256
+                                                      34 048
+
+    Peak 66 896 B (bf16), so three CTAs share an SM; f16 io adds the pass's four bf16 hi/lo
+    tiles (32 768 B): 99 664 B, two CTAs per SM.
+    """
+    C = CHUNK
+    c, hv, b, hk, rows = chunk_coords(group, C)
+    kpass = k_g.shape[-1] // HALF
+    dt = k_g.dtype
+    fp = _Factored(dt)
+
+    def outer(st_s, out_s, bar):
+        bars = Bars(bar)
+
+        def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s, *ops):
+            bars.load(
+                [
+                    *decay_copies(
+                        G_g,
+                        gr_g,
+                        gl_g,
+                        (g_s, gr_s, gl_s),
+                        b=b,
+                        hv=hv,
+                        c=c,
+                        rows=rows,
+                        cols=_cols(p),
+                    ),
+                    (q_g.at[b, rows, hk, _cols(p)], q_s),
+                    (k_g.at[b, rows, hk, _cols(p)], k_s),
+                ]
+            )
+            dec = Decay(g_s, gr_s, gl_s, dt)
+            # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1) first: their stores overlap
+            # the products
+            if p:  # the previous pass's stores must have read the staging tiles
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_s[0][...] = (cp.load_tile(q_s).astype(f32) * ex2_exp(dec.G())).astype(dt)
+            e_last = ex2_exp(dec.bref(NSUB) - dec.G())  # e^{G_last − G} ≤ 1
+            out_s[1][...] = (cp.load_tile(k_s).astype(f32) * e_last).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s[0], qg_g.at[b, rows, hv, _cols(p)])
+            plgpu.copy_smem_to_gmem(out_s[1], kg_g.at[b, rows, hv, _cols(p)])
+            q = cp.load_tile(q_s).astype(f32)
+            row_s, col_s = ops if fp.hilo else st_s
+            P = fp.pass_products(dec, q, row_s, col_s, lambda: cp.load_tile(k_s).astype(f32), P)
+            plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
+            return P
+
+        P = accumulate_passes(
+            p_pass,
+            kpass,
+            fp.tile(),  # q
+            fp.tile(),  # k
+            *decay_smem(C, HALF),  # G, reference rows, G_last
+            *fp.hilo_tiles(),
+        )
+        row = cp.iota((C, C), 0)
+        col = cp.iota((C, C), 1)
+        P = jnp.concatenate(P, axis=1)
+        st_s[0][...] = jnp.where(row >= col, P, 0.0).astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s[0], aqk_g.at[b, rows, hv, :])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        outer,
+        (fp.tile(), fp.tile()),  # row / column operands, then the Aqk staging
+        (fp.tile(), fp.tile()),  # qg, kg staging
+        plgpu.Barrier(num_barriers=5 * kpass),
+    )
 
 
 def reference_rows(G: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -525,11 +543,25 @@ def channel_intra(
     if K not in (HALF, 2 * HALF) or V not in (HALF, 2 * HALF):
         raise NotImplementedError(f"{k.shape=} {v.shape=}: channel_intra needs K, V ∈ {{64, 128}}")
 
-    def body(*refs):
-        _intra_body(*refs, cfg=config, group=HV // H)
-
-    fn = per_chunk_kernel(
-        body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="chan_intra", pair=True
+    chunks = T // CHUNK
+    group = HV // H
+    wy = per_chunk_kernel(
+        functools.partial(_wy_body, cfg=config, group=group),
+        tuple(out_type[2:4]) + tuple(out_type[5:]),
+        chunks=chunks,
+        HV=HV,
+        B=B,
+        name="chan_intra_wy",
     )
-    ins = (q, k, v, G, gr, gl, b) if config.scalar_beta else (q, k, v, G, gr, gl, b, w_gate)
-    return tuple(fn(*ins))
+    qk = per_chunk_kernel(
+        functools.partial(_qk_body, group=group),
+        (out_type[0], out_type[1], out_type[4]),
+        chunks=chunks,
+        HV=HV,
+        B=B,
+        name="chan_intra_qk",
+    )
+    gates = (b,) if config.scalar_beta else (b, w_gate)
+    w, u, *a = wy(k, v, G, gr, *gates)
+    qg, kg, aqk = qk(q, k, G, gr, gl)
+    return (qg, kg, w, u, aqk, *a)

@@ -8,8 +8,8 @@ the backward) takes its forms from the plan and from nowhere else.
 
 Forms (``f16``: f16 io; K, V ∈ {64, 128}):
 
-- intra: one form (:func:`pallas_kernels.channel.intra.channel_intra`, two CTAs per chunk and
-  value head, column-block decay factoring) for every call.
+- intra: one form (:func:`pallas_kernels.channel.intra.channel_intra`: two kernels, wy and qk,
+  one CTA each per chunk and value head, column-block decay factoring) for every call.
 - dq/dk/dw (``ChannelPlan.dqkw``): ``"k_split"`` (two CTAs, one per 64-column half of K) at
   K = 128 when V = 128 or f16; ``"phased"`` (the K-split kernel's phases on one CTA, all of K)
   for f16 at K = 64; ``"one_cta"`` otherwise (bf16 at K = 64, or K = 128 with V = 64).

@@ -27,7 +27,7 @@ from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fw
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 LOOPS = ("chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh")
-KERNELS = ("chan_intra", *LOOPS, "chan_bwd_dqkw", "chan_bwd_wy")
+KERNELS = ("chan_intra_wy", "chan_intra_qk", *LOOPS, "chan_bwd_dqkw", "chan_bwd_wy")
 
 # lengths 0, 1, 79 (across the token-64 boundary, two chunks on the lane), 0, 20, 0: empty
 # sequences first, inside and last; a one-token sequence, whose single chunk is both its first

@@ -29,7 +29,9 @@ from gdn_jax.ops._channel_pallas_bwd import channel_backward_pallas
 from gdn_jax.testing import check_2x, reference_jit, rel_rms
 from pallas_kernels import _compat as pk
 
-BWD_KERNELS = ("chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy", "chan_intra", "chan_chunk_h")
+BWD_KERNELS = (
+    "chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy", "chan_intra_wy", "chan_intra_qk", "chan_chunk_h"
+)  # fmt: skip
 CORE_NAMES = ("dq", "dk", "dv", "dG", "db", "dw", "dh0")
 f32 = jnp.float32
 

@@ -37,7 +37,8 @@ from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fw
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 KERNELS = (
-    "chan_intra", "chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy"
+    "chan_intra_wy", "chan_intra_qk", "chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh",
+    "chan_bwd_dqkw", "chan_bwd_wy",
 )  # fmt: skip
 # lengths 0, 1, 79, 0, 20, 0: empty sequences first, inside and last, a one-token sequence
 CU = [0, 0, 1, 80, 80, 100, 100]
