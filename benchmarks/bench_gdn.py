@@ -159,14 +159,15 @@ def bench_jax(
     dtype="bfloat16",
     segments=None,
 ) -> dict:
-    """Times of one implementation; q, k, v and do in the io ``dtype``, gates f32. ``segments``
+    """Times of one implementation; q, k, v, do and the gates β, b, w in the io ``dtype`` (the
+    tensors FLA's op gets, :func:`_fla_calls`), the log-decay g f32. ``segments``
     (gdn, pallas): force the segment count of the chunk loops."""
     import gdn_jax
 
     bf = jnp.dtype(dtype)
     q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
-    gates = ("g", "b", "w") if variant == "gdn2" else ("g", "beta")
-    gate_args = tuple(jnp.asarray(x[n]) for n in gates)
+    gates = ("b", "w") if variant == "gdn2" else ("beta",)
+    gate_args = (jnp.asarray(x["g"]), *(jnp.asarray(x[n], bf) for n in gates))
     do = jnp.asarray(x["do"], bf)
     fn = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}[variant]
     cu = s.cu_seqlens()
