@@ -226,6 +226,12 @@ def chunk_offset(c0, c):
     return c if isinstance(c0, int) and c0 == 0 else c0 + c
 
 
+def finite(v: jax.Array) -> jax.Array:
+    """v with NaN and ±inf replaced by 0 (``|v| < inf`` is false for both): the kernels that
+    read the ops' raw inputs make the sanitation's replacement as they load them."""
+    return jnp.where(jnp.abs(v) < jnp.inf, v, 0.0)
+
+
 def per_chunk_kernel(
     body, out_type, *, chunks: int, HV: int, B: int, name: str, pair: bool = False
 ):

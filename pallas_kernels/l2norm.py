@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _compat as cp
+from pallas_kernels import _tiles
 from pallas_kernels._compat import pl, plgpu
 
 __all__ = ["ROWS", "l2norm_fwd", "l2norm_bwd", "tiles_per_cta"]
@@ -49,11 +50,6 @@ def check(x) -> None:
         raise NotImplementedError(f"{x.shape=} {x.dtype=}: the kernels take [R, K] bf16/f16")
     if x.shape[1] not in (64, 128) or x.shape[0] % ROWS:
         raise NotImplementedError(f"{x.shape=}: the kernels take R % 64 == 0 and K in {{64, 128}}")
-
-
-def _finite(v: jax.Array) -> jax.Array:
-    """v with NaN and ±inf replaced by 0 (``|v| < inf`` is false for both)."""
-    return jnp.where(jnp.abs(v) < jnp.inf, v, 0.0)
 
 
 def _store(v, out_s, out_g, first, t) -> None:
@@ -84,7 +80,7 @@ def l2norm_fwd(x: jax.Array, *, eps: float) -> jax.Array:
 
         def scoped(y_s):
             def step(idx, x_s):
-                v = _finite(cp.load_tile(x_s).astype(f32))
+                v = _tiles.finite(cp.load_tile(x_s).astype(f32))
                 r = lax.rsqrt(jnp.sum(v * v, axis=1) + eps)
                 _store(v * cp.bcast_rows(r, v.shape), y_s, y_g, first, idx[0])
 
@@ -124,7 +120,7 @@ def l2norm_bwd(x: jax.Array, parts: tuple[jax.Array, ...], *, eps: float) -> jax
 
         def scoped(dx_s):
             def step(idx, x_s, *g_tiles):
-                v = _finite(cp.load_tile(x_s).astype(f32))
+                v = _tiles.finite(cp.load_tile(x_s).astype(f32))
                 g = None
                 for t in g_tiles:
                     gt = cp.load_tile(t)

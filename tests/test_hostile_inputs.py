@@ -223,8 +223,9 @@ def test_growth_gate_under_jit_is_clamped_to_zero(variant):
 
 
 def test_pallas_receives_the_sanitised_gates(monkeypatch):
-    """The op sanitises before choosing an implementation: the Pallas entry point sees g
-    clamped to [LOG_DECAY_FLOOR, 0] and finite inputs."""
+    """The op sanitises before choosing an implementation: GDN's Pallas entry point sees g
+    clamped to [LOG_DECAY_FLOOR, 0] and finite inputs; KDA's and GDN2's see the raw inputs
+    (their kernels and glue make the replacements, see the interpreter test below)."""
     import gdn_jax.ops as ops
     from gdn_jax.ops._sanitize import LOG_DECAY_FLOOR
 
@@ -242,8 +243,12 @@ def test_pallas_receives_the_sanitised_gates(monkeypatch):
         with pytest.raises(Seen) as e:
             OPS[variant](*_with(_with(args, 3, g), 2, v), implementation="pallas")
         got = e.value.args[0]
-        np.testing.assert_array_equal(got[3], jnp.maximum(g, LOG_DECAY_FLOOR))
-        assert bool(jnp.all(jnp.isfinite(got[2])))
+        if variant == "gdn":
+            np.testing.assert_array_equal(got[3], jnp.maximum(g, LOG_DECAY_FLOOR))
+            assert bool(jnp.all(jnp.isfinite(got[2])))
+        else:
+            np.testing.assert_array_equal(got[3], g)
+            np.testing.assert_array_equal(got[2], v)
 
 
 def test_pallas_interpreter_full_reset():
@@ -298,6 +303,55 @@ def test_pallas_interpreter_non_finite_q_k_through_the_l2norm():
             assert err < 2e-2, err
     o = np.asarray(got[0][0], np.float32)
     assert np.all(np.isfinite(o[:, :30])) and np.all(np.isnan(o[:, 40:]))
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_pallas_interpreter_non_finite_raw_inputs(variant, l2norm):
+    """KDA/GDN2's Pallas path gets the raw inputs: NaN and ±inf in q, k, v, g and the gates, in
+    the chunk the clean rows are in. Outputs, final state and gradients match the xla path's
+    (which runs on the sanitised copies), NaN exactly where it has NaN."""
+    pk = pytest.importorskip("pallas_kernels._compat")
+    args, _ = op_args(variant, B=1, T=64, H=1, HV=1, K=64, V=64)
+    q, k, v, g, *gates = args
+    # unit q, k rows (a stable recurrence either way), then the 16-bit io of the kernels
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q, k, v = unit(q).astype(jnp.bfloat16), unit(k).astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    q = q.at[0, 50, 0, 5].set(jnp.nan)
+    k = k.at[0, 40, 0, 1].set(jnp.inf)
+    v = v.at[0, 30, 0, 2].set(-jnp.inf)
+    g = g.at[0, 45, 0].set(jnp.nan)
+    gates = [x.at[0, 35].set(jnp.nan) for x in gates]
+    if variant == "gdn2":  # w's bad value poisons one value column
+        gates[1] = gates[1].at[0, 20, 0, 3].set(jnp.inf)
+        gates[0] = gates[0].at[0, 35].set(gates[0][0, 34])  # b's NaN would poison the head early
+    xs = (q, k, v, g, *gates)
+
+    def run(impl, *xs):
+        return OPS[variant](*xs, implementation=impl, use_qk_l2norm=l2norm, output_final_state=True)
+
+    def grads(impl):
+        def loss(*xs):
+            o = run(impl, *xs)[0].astype(f32)
+            return jnp.sum(jnp.where(jnp.isnan(o), 0, o))
+
+        return jax.grad(loss, argnums=tuple(range(len(xs))))(*xs)
+
+    with pk.use_mode("interpret"):
+        try:
+            got = run("pallas", *xs), grads("pallas")
+        finally:
+            pk.reset_interpreter()
+    want = run("xla", *xs), grads("xla")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        fin = np.isfinite(b)
+        if fin.any():
+            err = np.sqrt(np.mean((a[fin] - b[fin]) ** 2) / max(np.mean(b[fin] ** 2), 1e-30))
+            assert err < 2e-2, err
+    o = np.asarray(got[0][0], np.float32)
+    assert np.all(np.isfinite(o[0, :20])) and np.all(np.isnan(o[0, 40:]))
 
 
 # ---------------------------------------------------------------------------------------------

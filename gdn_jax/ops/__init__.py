@@ -280,6 +280,7 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
         val.check_scale(scale, K)
         return _empty(v, initial_state, N, HV, K, V, output_final_state)
     kda_gates = b is w
+    raw = (q, k, v, g, b, w)
     cols = () if kda_gates else (w,)
     (q, k, v, g, (b,), cols), scale, cu_seqlens, poison = _prepare(
         q, k, v, g, (b,), cols, scale=scale, cu_seqlens=cu_seqlens
@@ -294,8 +295,12 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
 
     def run_pallas(fn):
         _pallas_sees_layout(q, k, v, g, b, w, initial_state)
+        # The channel kernels read non-finite q, k, v, b, w values as 0 and the glue clamps the
+        # raw g (the sanitation's replacements, :func:`gdn_jax.ops._channel_pallas.
+        # channel_pallas`): given the raw inputs, XLA writes no sanitised copies and keeps only
+        # the reductions of the Poison.
         return fn(
-            q, k, v, g, b, w, scale=scale, initial_state=initial_state,
+            *raw, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip

@@ -84,6 +84,7 @@ from gdn_jax.ops._pallas_common import (
     padded_lanes,
     wipe_first_tokens,
 )
+from gdn_jax.ops._sanitize import finite, log_decay
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, l2norm
 from gdn_jax.reference.chunked import gate_cumsum
@@ -212,10 +213,14 @@ def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
 
     plan = core_plan(cfg, res[0], res[2], store_a=True)  # the forward's that made res
     do, dht = cts
-    meta = res[7]
+    q, k, v, G, b, w, h0, meta = res[:8]
+    # the forward's kernels read non-finite inputs as 0; the backward's read these copies
+    q, k, v = (finite(x) for x in (q, k, v))
+    if not cfg.scalar_beta:  # (KDA's β is sanitised by the glue)
+        b, w = finite(b), finite(w)
     with cfg.kernels():
         grads = channel_backward_pallas(
-            *res[:7], res[8:], do, dht, meta, scale=cfg.scale, plan=plan
+            q, k, v, G, b, w, h0, res[8:], do, dht, meta, scale=cfg.scale, plan=plan
         )
     return (*grads, None)
 
@@ -262,11 +267,16 @@ def channel_pallas(
 ) -> tuple[jax.Array, jax.Array | None]:
     """GDN2 / KDA on the Mosaic GPU kernels; inputs already validated by the public op.
 
+    The inputs may hold NaN and ±inf (the public op passes them raw and poisons the results
+    itself, :mod:`gdn_jax.ops._sanitize`): the kernels read non-finite q, k, v, b, w values as 0
+    and g is clamped here, the replacements of the op's sanitation, with the same straight-through
+    derivatives.
+
     Args:
       q, k: [B, T, H, K] bf16 or f16; v: [B, T, HV, V] in q's dtype.
-      g: [B, T, HV, K] f32 per-channel log-decay.
-      b: [B, T, HV, K] f32 erase gate, or [B, T, HV, 1] (KDA's β, broadcast).
-      w: [B, T, HV, V] f32 write gate, or [B, T, HV, 1] (KDA's β).
+      g: [B, T, HV, K] per-channel log-decay (f32 or 16-bit).
+      b: [B, T, HV, K] erase gate, or [B, T, HV, 1] (KDA's β, broadcast).
+      w: [B, T, HV, V] write gate, or [B, T, HV, 1] (KDA's β).
       scale, initial_state ([N, HV, K, V] f32 or None), output_final_state, use_qk_l2norm,
       cu_seqlens ([N + 1] int32, B == 1), chunk_size (64): as the public ops.
       qat: optional FP8 fake quantisation of w and the chunk-entering states (fused).
@@ -290,18 +300,18 @@ def channel_pallas(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scalar = b.shape[-1] == 1 and w.shape[-1] == 1
-    if scalar:
-        b, w = b[..., 0].astype(f32), None  # KDA: b and w are the same β; read it once
+    if scalar:  # KDA: b and w are the same β; read it once (sanitised here: it is small)
+        b, w = finite(b[..., 0].astype(f32)), None
     else:
         b = jnp.broadcast_to(b, (B, T, HV, K)).astype(f32)
         w = jnp.broadcast_to(w, (B, T, HV, V)).astype(f32)
     # decays below e^{-10} per token are clamped: the kernels factor the channel decay around a
     # reference row 8 tokens away at most, so |exponent| <= 80 < log(f32 max) always holds; the
     # clamp changes the state by at most e^{-10} ≈ 4.5e-5 of its size, below bf16 resolution
-    g = jnp.maximum(jnp.broadcast_to(g, (B, T, HV, K)).astype(f32), MIN_LOG_DECAY)
+    g = jnp.maximum(log_decay(jnp.broadcast_to(g, (B, T, HV, K))), MIN_LOG_DECAY)
     cfg = dataclasses.replace(cfg, scalar_beta=scalar)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+    if use_qk_l2norm:  # the replacement fuses into the l2norm's pass
+        q, k = l2norm(finite(q)), l2norm(finite(k))
     xs = [q, k, v, g, b] + ([] if scalar else [w])
 
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1

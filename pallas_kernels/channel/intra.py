@@ -69,6 +69,7 @@ from pallas_kernels._tiles import (
     accumulate_passes,
     chunk_coords,
     ex2_exp,
+    finite,
     per_chunk_kernel,
 )
 from pallas_kernels.channel.bwd_decay import (
@@ -290,10 +291,10 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
             dec = Decay(g_s, gr_s, None, dt)
 
             def k_f32():
-                return cp.load_tile(k_s).astype(f32)
+                return finite(cp.load_tile(k_s).astype(f32))
 
             def bk():  # the erase-gated key (KDA: β is applied to L's rows instead)
-                return k_f32() if scalar else cp.load_tile(b_s) * k_f32()
+                return k_f32() if scalar else finite(cp.load_tile(b_s)) * k_f32()
 
             row_s, col_s = ops if hilo else st_o
             L = fp.pass_products(dec, bk(), row_s, col_s, k_f32, L)
@@ -356,10 +357,13 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                     put(ws[p], w_g.at[b, rows, hv, _cols(p)])
             bars.wait(v_ids + wg_ids)
             for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
-                if not scalar:  # in place: each thread rewrites the elements it read
-                    vt = cp.load_tile(v_s[p]).astype(f32)
-                    v_s[p][...] = (cp.load_tile(wg_s[p]) * vt).astype(dt)
-                    plgpu.commit_smem()
+                # in place (each thread rewrites the elements it read): v, w_gate as read from
+                # the op's raw inputs, non-finite values as 0
+                vt = finite(cp.load_tile(v_s[p]).astype(f32))
+                if not scalar:
+                    vt = finite(cp.load_tile(wg_s[p])) * vt
+                v_s[p][...] = vt.astype(dt)
+                plgpu.commit_smem()
                 put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
             plgpu.wait_smem_to_gmem(0)
 
@@ -443,19 +447,25 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
                 ]
             )
             dec = Decay(g_s, gr_s, gl_s, dt)
+
+            def q_f32():  # as read from the op's raw inputs: non-finite values as 0
+                return finite(cp.load_tile(q_s).astype(f32))
+
+            def k_f32():
+                return finite(cp.load_tile(k_s).astype(f32))
+
             # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1) first: their stores overlap
             # the products
             if p:  # the previous pass's stores must have read the staging tiles
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_s[0][...] = (cp.load_tile(q_s).astype(f32) * ex2_exp(dec.G())).astype(dt)
+            out_s[0][...] = (q_f32() * ex2_exp(dec.G())).astype(dt)
             e_last = ex2_exp(dec.bref(NSUB) - dec.G())  # e^{G_last − G} ≤ 1
-            out_s[1][...] = (cp.load_tile(k_s).astype(f32) * e_last).astype(dt)
+            out_s[1][...] = (k_f32() * e_last).astype(dt)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_s[0], qg_g.at[b, rows, hv, _cols(p)])
             plgpu.copy_smem_to_gmem(out_s[1], kg_g.at[b, rows, hv, _cols(p)])
-            q = cp.load_tile(q_s).astype(f32)
             row_s, col_s = ops if fp.hilo else st_s
-            P = fp.pass_products(dec, q, row_s, col_s, lambda: cp.load_tile(k_s).astype(f32), P)
+            P = fp.pass_products(dec, q_f32(), row_s, col_s, k_f32, P)
             plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
             return P
 
