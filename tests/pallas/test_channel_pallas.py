@@ -25,7 +25,8 @@ from pallas_kernels import _compat as pk
 # every kernel, forward and backward, must appear as a Mosaic GPU custom call in the lowered
 # fwd+bwd
 KERNELS = (
-    "chan_intra", "chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy"
+    "chan_intra", "chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh", "chan_bwd_dqkw", "chan_bwd_wy",
+    "gate_cumsum", "gate_cumsum_rev",
 )  # fmt: skip
 
 
