@@ -401,9 +401,10 @@ def bench_channel_stages(s, x, variant) -> dict:
     of 64): ``chan_intra`` (its two kernels, wy and qk) as inference runs it, ``chan_intra(store_a…)`` as a differentiated
     forward runs it (keeping A for the backward), then the backward's kernels in the order
     :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(k_split)``
-    times the variant of a backward kernel with one CTA per half of K. ``sanitize_inputs``,
-    ``poison_output`` and ``gate_clamp_cumsum`` time the XLA work of the forward around the
-    kernels: the public op's edge-value handling and the glue's gate clamp and cumsum."""
+    times the variant of a backward kernel with one CTA per half of K. ``sanitize_inputs`` and
+    ``poison_output`` time the public op's edge-value handling (XLA), ``gate_clamp_cumsum`` the
+    glue's gate clamp (XLA) and chunk-local cumsum (the ``gate_cumsum`` kernel where it serves),
+    ``gate_cumsum_bwd`` the cumsum's VJP (the ``gate_cumsum_rev`` kernel)."""
     from gdn_jax.ops import _sanitize
     from gdn_jax.ops._channel_pallas import (
         MIN_LOG_DECAY,
@@ -472,10 +473,12 @@ def bench_channel_stages(s, x, variant) -> dict:
     poison = sanitize(q, k, v, g_raw, heads, cols)[1]
     poison_o = jax.jit(lambda p, o: p.output(o))
     cumsum = jax.jit(lambda g: lane_gate_cumsum(jnp.maximum(g, MIN_LOG_DECAY)))
+    cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(lane_gate_cumsum, g)[1](dG)[0])
     times.update({
         "sanitize_inputs": time_jax(sanitize, (q, k, v, g_raw, heads, cols)),
         "poison_output": time_jax(poison_o, (poison, do)),
         "gate_clamp_cumsum": time_jax(cumsum, (g_raw,)),
+        "gate_cumsum_bwd": time_jax(cumsum_bwd, (g_raw, g_raw)),
         "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),
         "chan_chunk_h": time_jax(hrec, (kg, wk, u, dl, h0)),
         "chan_bwd_dh": time_jax(dh_fn, (qg, kg, wk, do, aqk, dl, dht)),

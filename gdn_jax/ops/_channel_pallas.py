@@ -74,7 +74,7 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax import remat
-from gdn_jax.ops import _xla
+from gdn_jax.ops import _gate_cumsum, _xla
 from gdn_jax.ops._pallas_common import (
     CoreConfig,
     from_one_lane,
@@ -87,7 +87,6 @@ from gdn_jax.ops._pallas_common import (
 from gdn_jax.ops._sanitize import finite, log_decay
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, l2norm
-from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
 from pallas_kernels.channel.intra import channel_intra
@@ -240,9 +239,9 @@ _core.defvjp(_core_fwd, _backward)
 
 
 def lane_gate_cumsum(g: jax.Array) -> jax.Array:
-    """Chunk-local cumsum over the row axis of [N, Tp, ...] (f32)."""
-    N, Tp = g.shape[:2]
-    return gate_cumsum(g.reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:])).reshape(g.shape)
+    """Chunk-local cumsum over the row axis of [N, Tp, ...] (f32): the Mosaic GPU kernel and its
+    transpose as the VJP where they serve g (:mod:`gdn_jax.ops._gate_cumsum`)."""
+    return _gate_cumsum.lane_gate_cumsum(g)
 
 
 # smallest per-token log-decay the kernels see (see channel_pallas)

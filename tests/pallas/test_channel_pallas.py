@@ -26,7 +26,7 @@ from pallas_kernels import _compat as pk
 # fwd+bwd
 KERNELS = (
     "chan_intra_wy", "chan_intra_qk", "chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh",
-    "chan_bwd_dqkw", "chan_bwd_wy",
+    "chan_bwd_dqkw", "chan_bwd_wy", "gate_cumsum", "gate_cumsum_rev",
 )  # fmt: skip
 
 

@@ -1,0 +1,67 @@
+"""Chunk-local cumsum of the per-channel log-decay (GDN2 / KDA pallas glue), on a Mosaic GPU kernel.
+
+:func:`lane_gate_cumsum` runs :func:`pallas_kernels.channel.gate_cumsum.chunk_cumsum` inside a
+``custom_vjp`` whose backward is the same kernel with ``reverse=True``: the cumsum is linear, so
+its VJP is its transpose, the suffix sum within each chunk. Both read and write the tensor once,
+where XLA's form (:func:`gdn_jax.reference.chunked.gate_cumsum`, an f32 product with a triangular
+ones matrix) and its autodiff cost several times the bytes' time.
+
+Where the kernel does not serve the call (no Hopper GPU and no kernel execution mode asked for,
+``HV·K % 128 != 0``, another rank or dtype), XLA's form runs instead, so the channel kernels keep
+serving every head size they take.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gdn_jax.reference.chunked import gate_cumsum
+from pallas_kernels import _compat as pk
+from pallas_kernels._tiles import CHUNK
+from pallas_kernels.channel import gate_cumsum as kernel
+
+__all__ = ["lane_gate_cumsum", "kernel_serves"]
+
+
+def kernel_serves(g: jax.Array) -> bool:
+    """Whether :func:`lane_gate_cumsum` runs the Mosaic GPU kernel for ``g`` (shape, dtype and
+    platform; see :func:`pallas_kernels.channel.gate_cumsum.check`)."""
+    if pk.execution_mode() == "auto" and not pk.is_hopper():
+        return False
+    try:
+        kernel.check(g)
+    except (ValueError, NotImplementedError):
+        return False
+    return True
+
+
+@jax.custom_vjp
+def _kernel_cumsum(g: jax.Array) -> jax.Array:
+    return kernel.chunk_cumsum(g)
+
+
+def _kernel_cumsum_fwd(g):
+    return kernel.chunk_cumsum(g), None
+
+
+def _kernel_cumsum_bwd(_, dG):
+    return (kernel.chunk_cumsum(dG.astype(jnp.float32), reverse=True),)
+
+
+_kernel_cumsum.defvjp(_kernel_cumsum_fwd, _kernel_cumsum_bwd)
+
+
+def lane_gate_cumsum(g: jax.Array) -> jax.Array:
+    """Chunk-local inclusive cumsum over the row axis of padded lanes, differentiable.
+
+    Args:
+      g: [N, Tp, HV, K] f32 per-token log-decay, Tp % 64 == 0 (other [N, Tp, ...] f32 shapes
+        take XLA's form).
+    Returns:
+      G: g's shape, f32; ``G[:, 64 c + i] = Σ_{j ≤ i} g[:, 64 c + j]`` for each chunk c.
+    """
+    if kernel_serves(g):
+        return _kernel_cumsum(g)
+    N, Tp = g.shape[:2]
+    return gate_cumsum(g.reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:])).reshape(g.shape)
