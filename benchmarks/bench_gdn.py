@@ -398,8 +398,8 @@ def bench_segment_stages(s, x, S: int) -> dict:
 
 def bench_channel_stages(s, x, variant) -> dict:
     """Per-kernel times of the GDN2/KDA pallas forward and backward (padded layout, T a multiple
-    of 64): ``chan_intra`` (its two kernels, wy and qk) as inference runs it, ``chan_intra(store_a…)`` as a differentiated
-    forward runs it (keeping A for the backward), then the backward's kernels in the order
+    of 64): ``chan_intra`` (its two kernels, wy and qk) as inference runs it,
+    ``chan_intra(store_a…)`` as a differentiated forward runs it (keeping A for the backward), then the backward's kernels in the order
     :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(k_split)``
     times the variant of a backward kernel with one CTA per half of K. ``sanitize_inputs`` and
     ``poison_output`` time the public op's edge-value handling (XLA), ``gate_clamp_cumsum`` the
@@ -472,7 +472,7 @@ def bench_channel_stages(s, x, variant) -> dict:
     sanitize = jax.jit(lambda q, k, v, g, hs, cs: _sanitize.inputs(q, k, v, g, hs, cs, None))
     poison = sanitize(q, k, v, g_raw, heads, cols)[1]
     poison_o = jax.jit(lambda p, o: p.output(o))
-    cumsum = jax.jit(lambda g: lane_gate_cumsum(jnp.maximum(g, MIN_LOG_DECAY)))
+    cumsum = jax.jit(lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY))
     cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(lane_gate_cumsum, g)[1](dG)[0])
     times.update({
         "sanitize_inputs": time_jax(sanitize, (q, k, v, g_raw, heads, cols)),

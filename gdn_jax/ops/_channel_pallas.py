@@ -75,6 +75,7 @@ import jax.numpy as jnp
 
 from gdn_jax import remat
 from gdn_jax.ops import _gate_cumsum, _xla
+from gdn_jax.ops._gate_cumsum import clamped_log_decay
 from gdn_jax.ops._pallas_common import (
     CoreConfig,
     from_one_lane,
@@ -84,7 +85,7 @@ from gdn_jax.ops._pallas_common import (
     padded_lanes,
     wipe_first_tokens,
 )
-from gdn_jax.ops._sanitize import finite, log_decay
+from gdn_jax.ops._sanitize import finite
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, l2norm
 from pallas_kernels import _compat as pk
@@ -238,10 +239,11 @@ _core.defvjp(_core_fwd, _backward)
 # public glue
 
 
-def lane_gate_cumsum(g: jax.Array) -> jax.Array:
-    """Chunk-local cumsum over the row axis of [N, Tp, ...] (f32): the Mosaic GPU kernel and its
-    transpose as the VJP where they serve g (:mod:`gdn_jax.ops._gate_cumsum`)."""
-    return _gate_cumsum.lane_gate_cumsum(g)
+def lane_gate_cumsum(g: jax.Array, floor: float | None = None) -> jax.Array:
+    """Chunk-local cumsum over the row axis of [N, Tp, ...] (f32), of g clamped at ``floor``
+    if given: the Mosaic GPU kernel and its transpose as the VJP where they serve g
+    (:func:`gdn_jax.ops._gate_cumsum.lane_gate_cumsum`)."""
+    return _gate_cumsum.lane_gate_cumsum(g, floor)
 
 
 # smallest per-token log-decay the kernels see (see channel_pallas)
@@ -306,8 +308,10 @@ def channel_pallas(
         w = jnp.broadcast_to(w, (B, T, HV, V)).astype(f32)
     # decays below e^{-10} per token are clamped: the kernels factor the channel decay around a
     # reference row 8 tokens away at most, so |exponent| <= 80 < log(f32 max) always holds; the
-    # clamp changes the state by at most e^{-10} ≈ 4.5e-5 of its size, below bf16 resolution
-    g = jnp.maximum(log_decay(jnp.broadcast_to(g, (B, T, HV, K))), MIN_LOG_DECAY)
+    # clamp changes the state by at most e^{-10} ≈ 4.5e-5 of its size, below bf16 resolution.
+    # The gate cumsum kernel clamps the raw g as it reads it (clamped_log_decay), except where
+    # the packed lane's state wipe must be added to the clamped values first.
+    g = jnp.broadcast_to(g, (B, T, HV, K)).astype(f32)
     cfg = dataclasses.replace(cfg, scalar_beta=scalar)
     if use_qk_l2norm:  # the replacement fuses into the l2norm's pass
         q, k = l2norm(finite(q)), l2norm(finite(k))
@@ -316,18 +320,20 @@ def channel_pallas(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     meta = None
+    floor = MIN_LOG_DECAY  # (None where g is clamped already)
     if cu_seqlens is None:  # one zero-padded lane per batch row
         xp = padded_lanes(xs, None, T, -(-T // CHUNK) * CHUNK)
     else:  # all sequences back to back on one lane, each starting at a chunk boundary
         xp, layout = one_lane(xs, cu_seqlens, T)
         if initial_state is None and not output_final_state:  # the state wiped at each start
-            xp[3] = wipe_first_tokens(xp[3], layout)
+            xp[3] = wipe_first_tokens(clamped_log_decay(xp[3], MIN_LOG_DECAY), layout)
+            floor = None
             h0 = jnp.zeros((1, HV, K, V), f32)
         else:  # states set / written per sequence by the kernels, from a per-chunk table
             meta = packed_meta(layout)
     qp, kp, vp, gp, bp = xp[:5]
     wp = None if scalar else xp[5]
-    o, ht = _core(cfg, qp, kp, vp, lane_gate_cumsum(gp), bp, wp, h0, meta)
+    o, ht = _core(cfg, qp, kp, vp, lane_gate_cumsum(gp, floor), bp, wp, h0, meta)
 
     if cu_seqlens is None:
         return from_padded_lanes(o, None, T).astype(v.dtype), (ht if output_final_state else None)

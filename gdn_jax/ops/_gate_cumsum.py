@@ -13,15 +13,18 @@ serving every head size they take.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.ops._sanitize import log_decay
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
 from pallas_kernels.channel import gate_cumsum as kernel
 
-__all__ = ["lane_gate_cumsum", "kernel_serves"]
+__all__ = ["clamped_log_decay", "lane_gate_cumsum", "kernel_serves"]
 
 
 def kernel_serves(g: jax.Array) -> bool:
@@ -36,32 +39,47 @@ def kernel_serves(g: jax.Array) -> bool:
     return True
 
 
-@jax.custom_vjp
-def _kernel_cumsum(g: jax.Array) -> jax.Array:
-    return kernel.chunk_cumsum(g)
+def clamped_log_decay(g: jax.Array, floor: float) -> jax.Array:
+    """The raw log-decay g sanitised (:func:`gdn_jax.ops._sanitize.log_decay`: NaN and −inf to
+    its floor, +inf and growth to 0) and clamped at ``floor``: values in [floor, 0], f32. Its
+    derivative is the composition's (1 inside, 0 outside, ½ at ``floor`` itself, as
+    ``jnp.maximum``'s)."""
+    return jnp.maximum(log_decay(g), floor)
 
 
-def _kernel_cumsum_fwd(g):
-    return kernel.chunk_cumsum(g), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _kernel_cumsum(g: jax.Array, floor: float | None) -> jax.Array:
+    return kernel.chunk_cumsum(g, floor=floor)
 
 
-def _kernel_cumsum_bwd(_, dG):
-    return (kernel.chunk_cumsum(dG.astype(jnp.float32), reverse=True),)
+def _kernel_cumsum_fwd(g, floor):
+    return kernel.chunk_cumsum(g, floor=floor), (None if floor is None else g)
+
+
+def _kernel_cumsum_bwd(floor, g, dG):
+    dg = kernel.chunk_cumsum(dG.astype(jnp.float32), reverse=True)
+    if floor is not None:  # the clamp's VJP, one elementwise XLA pass
+        dg = jax.vjp(lambda x: clamped_log_decay(x, floor), g)[1](dg)[0]
+    return (dg,)
 
 
 _kernel_cumsum.defvjp(_kernel_cumsum_fwd, _kernel_cumsum_bwd)
 
 
-def lane_gate_cumsum(g: jax.Array) -> jax.Array:
+def lane_gate_cumsum(g: jax.Array, floor: float | None = None) -> jax.Array:
     """Chunk-local inclusive cumsum over the row axis of padded lanes, differentiable.
 
     Args:
       g: [N, Tp, HV, K] f32 per-token log-decay, Tp % 64 == 0 (other [N, Tp, ...] f32 shapes
         take XLA's form).
+      floor: if given, the cumsum of :func:`clamped_log_decay` (g, floor), the kernel clamping
+        each value as it reads it (so the raw g needs no clamped copy).
     Returns:
       G: g's shape, f32; ``G[:, 64 c + i] = Σ_{j ≤ i} g[:, 64 c + j]`` for each chunk c.
     """
     if kernel_serves(g):
-        return _kernel_cumsum(g)
+        return _kernel_cumsum(g, floor)
+    if floor is not None:
+        g = clamped_log_decay(g, floor)
     N, Tp = g.shape[:2]
     return gate_cumsum(g.reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:])).reshape(g.shape)

@@ -66,12 +66,20 @@ def tiles_per_cta(tiles: int, max_tiles: int = MAX_TILES) -> int:
     return per
 
 
-def chunk_cumsum(g: jax.Array, *, reverse: bool = False, per_cta: int | None = None) -> jax.Array:
+def chunk_cumsum(
+    g: jax.Array,
+    *,
+    reverse: bool = False,
+    floor: float | None = None,
+    per_cta: int | None = None,
+) -> jax.Array:
     """Inclusive cumulative sum of g over the rows of each 64-row chunk, per column.
 
     Args:
       g: [N, Tp, HV, K] f32, Tp % 64 == 0, HV · K % 128 == 0.
       reverse: sum from the chunk's last row up (the suffix sum), the transpose of the forward.
+      floor: if given (< 0), each value is clamped to [floor, 0] as it is read, NaN and −inf to
+        ``floor``, +inf to 0 (the channel glue's clamp of the raw log-decay).
       per_cta: tiles (64 × 128) per CTA; None: :func:`tiles_per_cta`. Must divide the number of
         tiles, N · Tp / 64 · HV · K / 128.
     Returns:
@@ -81,11 +89,13 @@ def chunk_cumsum(g: jax.Array, *, reverse: bool = False, per_cta: int | None = N
         tiles.
       NotImplementedError: HV · K % 128 != 0.
     """
-    return _chunk_cumsum(g, reverse=reverse, per=per_cta)
+    return _chunk_cumsum(g, reverse=reverse, floor=floor, per=per_cta)
 
 
-def _chunk_cumsum(g, *, reverse, per, slots=SLOTS):
+def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
     check(g)
+    if floor is not None and not floor < 0:
+        raise ValueError(f"{floor=} must be negative (or None)")
     N, Tp, HV, K = g.shape
     R, M = N * Tp, HV * K
     col_blocks = M // COLS
@@ -107,6 +117,8 @@ def _chunk_cumsum(g, *, reverse, per, slots=SLOTS):
             acc = None
             for r in rows:
                 v = x_s[r]
+                if floor is not None:  # NaN > floor is false: NaN and −inf give the floor
+                    v = jnp.where(v > floor, jnp.minimum(v, 0.0), floor)
                 acc = v if acc is None else acc + v
                 x_s[r] = acc
             plgpu.commit_smem()

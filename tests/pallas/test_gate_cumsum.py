@@ -107,6 +107,34 @@ def test_interpret_vjp_matches_autodiff_of_xla_form():
     np.testing.assert_array_equal(np.asarray(dg), _sequential(ct, True))
 
 
+def test_interpret_floor_clamps_raw_gates():
+    """``floor``: the kernel clamps the raw log-decay as it reads it (NaN, ±inf, growth, values
+    below the floor, the floor itself): the cumsum equals the sequential cumsum of
+    clamped_log_decay(g), and the gradient equals autodiff of that composition (0 outside,
+    ½ exactly at the floor)."""
+    shape, floor = (1, 128, 2, 64), -10.0
+    g = _gates(shape, seed=4, scale=12.0)  # some below the floor
+    g[0, 3, 0, :4] = [np.nan, np.inf, -np.inf, 0.5]
+    g[0, 70, 1, 5:8] = [floor, 0.0, -1e30]
+    ct = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+
+    def kernel_value_and_grad(g):
+        loss = lambda g: jnp.sum(_gate_cumsum.lane_gate_cumsum(g, floor) * ct)  # noqa: E731
+        return _gate_cumsum.lane_gate_cumsum(g, floor), jax.grad(loss)(g)
+
+    G, dg = run_interpreted(jax.jit(kernel_value_and_grad), g)
+    clamped = np.asarray(_gate_cumsum.clamped_log_decay(jnp.asarray(g), floor))
+    assert np.all(np.isfinite(clamped)) and clamped.min() == floor and clamped.max() == 0.0
+    np.testing.assert_array_equal(np.asarray(G), _sequential(clamped))
+    want = jax.grad(
+        lambda g: jnp.sum(_gate_cumsum.clamped_log_decay(g, floor) * _sequential(ct, True))
+    )
+    np.testing.assert_array_equal(np.asarray(dg), np.asarray(want(jnp.asarray(g))))
+    assert np.asarray(dg)[0, 70, 1, 5] == 0.5 * _sequential(ct, True)[0, 70, 1, 5]
+    with pytest.raises(ValueError, match="floor"):
+        chunk_cumsum(jnp.zeros(shape, f32), floor=1.0)
+
+
 def test_xla_form_where_the_kernel_does_not_serve():
     g = _gates((1, 64, 1, 64))  # HV · K = 64: no 128-column tile
     with pk.use_mode("interpret"):
