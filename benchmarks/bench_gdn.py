@@ -399,11 +399,13 @@ def bench_segment_stages(s, x, S: int) -> dict:
 def bench_channel_stages(s, x, variant) -> dict:
     """Per-kernel times of the GDN2/KDA pallas forward and backward (padded layout, T a multiple
     of 64): ``chan_intra`` (its two kernels, wy and qk) as inference runs it,
-    ``chan_intra(store_a…)`` as a differentiated forward runs it (keeping A for the backward), then the backward's kernels in the order
+    ``chan_intra(store_a…)`` as a differentiated forward runs it (keeping A for the backward),
+    then the backward's kernels in the order
     :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(k_split)``
     times the variant of a backward kernel with one CTA per half of K. ``sanitize_inputs`` and
     ``poison_output`` time the public op's edge-value handling (XLA), ``gate_clamp_cumsum`` the
-    glue's gate clamp (XLA) and chunk-local cumsum (the ``gate_cumsum`` kernel where it serves),
+    glue's gate clamp and chunk-local cumsum (the ``gate_cumsum`` kernel where it serves, which
+    clamps as it reads),
     ``gate_cumsum_bwd`` the cumsum's VJP (the ``gate_cumsum_rev`` kernel)."""
     from gdn_jax.ops import _sanitize
     from gdn_jax.ops._channel_pallas import (
