@@ -405,8 +405,8 @@ def bench_channel_stages(s, x, variant) -> dict:
     times the variant of a backward kernel with one CTA per half of K. ``sanitize_inputs`` and
     ``poison_output`` time the public op's edge-value handling (XLA), ``gate_clamp_cumsum`` the
     glue's gate clamp and chunk-local cumsum (the ``gate_cumsum`` kernel where it serves, which
-    clamps as it reads),
-    ``gate_cumsum_bwd`` the cumsum's VJP (the ``gate_cumsum_rev`` kernel)."""
+    clamps as it reads), ``gate_cumsum_bwd`` their VJP (the ``gate_cumsum_rev`` kernel and the
+    clamp's derivative)."""
     from gdn_jax.ops import _sanitize
     from gdn_jax.ops._channel_pallas import (
         MIN_LOG_DECAY,
@@ -475,7 +475,8 @@ def bench_channel_stages(s, x, variant) -> dict:
     poison = sanitize(q, k, v, g_raw, heads, cols)[1]
     poison_o = jax.jit(lambda p, o: p.output(o))
     cumsum = jax.jit(lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY))
-    cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(lane_gate_cumsum, g)[1](dG)[0])
+    clamped = functools.partial(lane_gate_cumsum, floor=MIN_LOG_DECAY)
+    cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(clamped, g)[1](dG)[0])
     times.update({
         "sanitize_inputs": time_jax(sanitize, (q, k, v, g_raw, heads, cols)),
         "poison_output": time_jax(poison_o, (poison, do)),

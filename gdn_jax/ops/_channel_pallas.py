@@ -74,8 +74,8 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax import remat
-from gdn_jax.ops import _gate_cumsum, _xla
-from gdn_jax.ops._gate_cumsum import clamped_log_decay
+from gdn_jax.ops import _xla
+from gdn_jax.ops._gate_cumsum import clamped_log_decay, lane_gate_cumsum
 from gdn_jax.ops._pallas_common import (
     CoreConfig,
     from_one_lane,
@@ -237,13 +237,6 @@ _core.defvjp(_core_fwd, _backward)
 
 # ---------------------------------------------------------------------------------------------
 # public glue
-
-
-def lane_gate_cumsum(g: jax.Array, floor: float | None = None) -> jax.Array:
-    """Chunk-local cumsum over the row axis of [N, Tp, ...] (f32), of g clamped at ``floor``
-    if given: the Mosaic GPU kernel and its transpose as the VJP where they serve g
-    (:func:`gdn_jax.ops._gate_cumsum.lane_gate_cumsum`)."""
-    return _gate_cumsum.lane_gate_cumsum(g, floor)
 
 
 # smallest per-token log-decay the kernels see (see channel_pallas)

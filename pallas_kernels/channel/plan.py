@@ -28,11 +28,12 @@ per sequence would quantise the state again in every padding chunk after a short
 
 Reasons:
 
-- intra: the earlier one-CTA form (1.40–1.99 ms at B4 T4096 HV16 K = V = 128 on the H200) and
-  the row-block-factored two-CTA form (1.45–1.66 ms) each ran four 64 × 64 × K products per
-  L and Aqk. The column-block form runs one 64 × 64 × K worth (a 64 × 16 × K product per
-  column block), in the two-CTA layout that also has shared memory for f16's bf16 hi/lo
-  operands; it serves every call, so it replaced both.
+- intra: column-block decay factoring runs one 64 × 64 × K product's worth per L and Aqk (a
+  64 × 16 × K product per column block) and leaves shared memory for f16's bf16 hi/lo
+  operands, so one form serves every call. L → A → w, u and Aqk, qg, kg share only k and G, so
+  they are two kernels, each with its own registers and shared memory: at KDA B4 T4096 HV16
+  K = V = 128 on the H200 the two take 0.349 + 0.280 ms where one kernel with both tasks as
+  branches took 0.930 ms (``benchmarks/profile_ops.py``, same run).
 - dq/dk/dw and WY K-split: half-size register tiles and under half the shared memory per CTA, so
   two CTAs share an SM. On the H200 at B4 T4096 HV16 (``bench_gdn.py --stages``, bf16,
   K = V = 128) it takes 0.59 vs 3.63 ms (dq/dk/dw) and 0.79 vs 2.74 ms (WY), RESULTS.md's stage
