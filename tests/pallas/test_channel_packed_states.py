@@ -27,7 +27,8 @@ from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fw
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
 LOOPS = ("chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh")
-KERNELS = ("chan_intra_wy", "chan_intra_qk", *LOOPS, "chan_bwd_dqkw", "chan_bwd_wy")
+CUMSUMS = ("gate_cumsum", "gate_cumsum_rev")
+KERNELS = ("chan_intra_wy", "chan_intra_qk", *LOOPS, "chan_bwd_dqkw", "chan_bwd_wy", *CUMSUMS)
 
 # lengths 0, 1, 79 (across the token-64 boundary, two chunks on the lane), 0, 20, 0: empty
 # sequences first, inside and last; a one-token sequence, whose single chunk is both its first
@@ -104,7 +105,9 @@ def test_packed_states_run_on_one_lane(variant):
     rows = 64 * (-(-T // 64) + N)
     assert rows < N * T
     for name, shapes in calls.items():
-        assert shapes[0][:2] == (1, rows), (name, shapes)
+        # the gate cumsums read the lane's log-decays flattened to [rows, HV * K]
+        lead = (rows, HV * K) if name in CUMSUMS else (1, rows)
+        assert shapes[0][:2] == lead, (name, shapes)
         tables = [s for s in shapes if s == (rows // 64, META_COLS)]
         assert len(tables) == (name in LOOPS), (name, shapes)
         if name in LOOPS:  # one state row per sequence
