@@ -22,30 +22,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results import RESULTS_DIR, TOPICS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MAX_LINES = 200
+MAX_LINES = 250  # one device's sections and a second device's op table
 
 
-def load(directory: Path = RESULTS_DIR) -> dict[str, dict | None]:
-    """The topic file of each topic (None where there is none).
+def load(directory: Path = RESULTS_DIR) -> dict[str, list[dict]]:
+    """The topic files of each topic, one per device, the one with the most rows first (the
+    primary device: its figures are plotted); an empty list where a topic has none.
 
     Raises:
-        ValueError: a file's ``topic`` is not one of ``TOPICS``.
-        NotImplementedError: two files (two devices) for one topic.
+        ValueError: a file's ``topic`` is not one of ``TOPICS``, or two files of a topic name
+            the same device.
     """
-    docs: dict[str, dict | None] = dict.fromkeys(TOPICS)
-    files: dict[str, str] = {}
+    docs: dict[str, list[dict]] = {t: [] for t in TOPICS}
+    files: dict[tuple[str, str], str] = {}
     for path in sorted(directory.glob("*.json")):
         doc = json.loads(path.read_text())
         topic = doc.get("topic")
         if topic not in docs:
             raise ValueError(f"{path}: topic {topic!r} is not one of {TOPICS}")
-        if docs[topic] is not None:
-            raise NotImplementedError(
-                f"{path} and {files[topic]}: two files for topic {topic!r}; the report renders "
-                "one device per topic"
-            )
-        docs[topic], files[topic] = doc, path.name
+        key = (topic, doc.get("device"))
+        if key in files:
+            raise ValueError(f"{path} and {files[key]}: two files for topic {topic!r} on {key[1]}")
+        files[key] = path.name
+        docs[topic].append(doc)
+    for group in docs.values():
+        group.sort(key=lambda d: -len(d.get("rows", [])))
     return docs
+
+
+def primary(docs: dict[str, list[dict]], topic: str) -> dict | None:
+    """The topic's primary-device file (the plotted one), or None."""
+    return docs[topic][0] if docs[topic] else None
 
 
 def run_id(i: int) -> str:
@@ -381,8 +388,10 @@ def hf_section(doc: dict) -> list[str]:
     return out
 
 
-def render(docs: dict[str, dict | None]) -> str:
-    """The page for the topic files ``docs`` (see :func:`load`)."""
+def render(docs: dict[str, list[dict]]) -> str:
+    """The page for the topic files ``docs`` (see :func:`load`). A topic measured on several
+    devices gets one section per device, the primary first; the others' headings name their
+    device and carry no plots (the plots show the primary device)."""
     out = [
         "# Benchmark results",
         "",
@@ -394,8 +403,12 @@ def render(docs: dict[str, dict | None]) -> str:
                 "sharding": sharding_section, "hf": hf_section,
                 "profile": profile_section}  # fmt: skip
     for topic in TOPICS:
-        if docs[topic] is not None:
-            out += [""] + sections[topic](docs[topic])
+        for i, doc in enumerate(docs[topic]):
+            lines = sections[topic](doc)
+            if i:
+                rest = [x for x in lines[1:] if not x.startswith("![")]
+                lines = [f"{lines[0]} ({doc['device']})", *rest]
+            out += [""] + lines
     return "\n".join(out) + "\n"
 
 
@@ -541,9 +554,9 @@ def main(argv=None) -> int:
         )
     a.out.write_text(text)
     if not a.no_plots:
-        plot_ops(docs["ops"], a.out.parent / "ops_vs_fla.png")
-        plot_decode(docs["decode"], a.out.parent / "decode_vs_batch.png")
-        plot_long_context(docs["ops"], a.out.parent / "ops_vs_T.png")
+        plot_ops(primary(docs, "ops"), a.out.parent / "ops_vs_fla.png")
+        plot_decode(primary(docs, "decode"), a.out.parent / "decode_vs_batch.png")
+        plot_long_context(primary(docs, "ops"), a.out.parent / "ops_vs_T.png")
     print(f"wrote {a.out} ({n} lines)")
     return 0
 
