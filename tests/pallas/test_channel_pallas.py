@@ -78,26 +78,31 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
 
 
-# Every pair of (variant, K, V, dtype) values in eight cases (a two-level orthogonal array).
+# Every pair of (variant, K, V, dtype, packed) values in eight cases (a two-level orthogonal
+# array: dtype = variant xor K, packed = K xor V).
 @pytest.mark.parametrize(
-    "variant,K,V,HV,dtype",
-    [("kda", 64, 64, 2, "bfloat16"), ("gdn2", 64, 128, 2, "float16"),
-     ("gdn2", 128, 64, 2, "bfloat16"), ("kda", 128, 128, 4, "float16"),
-     ("gdn2", 64, 64, 2, "float16"), ("kda", 64, 128, 2, "bfloat16"),
-     ("kda", 128, 64, 4, "float16"), ("gdn2", 128, 128, 4, "bfloat16")],
+    "variant,K,V,HV,dtype,packed",
+    [("kda", 64, 64, 2, "bfloat16", False), ("gdn2", 64, 128, 2, "float16", True),
+     ("gdn2", 128, 64, 2, "bfloat16", True), ("kda", 128, 128, 4, "float16", False),
+     ("gdn2", 64, 64, 2, "float16", False), ("kda", 64, 128, 2, "bfloat16", True),
+     ("kda", 128, 64, 4, "float16", True), ("gdn2", 128, 128, 4, "bfloat16", False)],
 )  # fmt: skip
-def test_lowers_for_cuda(variant, K, V, HV, dtype):
-    B, T, H = 1, 200, 2
+def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
+    """fwd+bwd of the op with initial and final states lowers every kernel for the GPU:
+    packed sequences on one lane (the chunk loops driven by the sequence table) or a dense
+    batch of two rows (the loops without the table)."""
+    B, T, H = (1 if packed else 2), 200, 2
     S, bf, f = jax.ShapeDtypeStruct, jnp.dtype(dtype), jnp.float32
     gates = (S((B, T, HV, K), f), S((B, T, HV, K), f), S((B, T, HV, V), f))
     if variant == "kda":
         gates = (S((B, T, HV, K), f), S((B, T, HV), f))
     args = (S((B, T, H, K), bf), S((B, T, H, K), bf), S((B, T, HV, V), bf), *gates)
-    args += (S((3, HV, K, V), f), S((4,), jnp.int32))
+    args += (S((3 if packed else B, HV, K, V), f),)
+    cu = S((4,), jnp.int32) if packed else None
     op = pallas_op(variant)
 
-    def f(*a):
-        *xs, h0, cu = a
+    def f(*a, cu):
+        *xs, h0 = a
 
         def loss(xs, h0):
             o, s = op(
@@ -108,7 +113,7 @@ def test_lowers_for_cuda(variant, K, V, HV, dtype):
         return jax.value_and_grad(loss, argnums=(0, 1))(tuple(xs), h0)
 
     with pk.cuda_lowering_mesh():
-        txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        txt = jax.jit(f).trace(*args, cu=cu).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
     # the kernel's symbol sits NUL-delimited inside the serialized module of its custom call
     found = {name for ln in calls for name in KERNELS if re.search(rf"\\00{name}\\00", ln)}
