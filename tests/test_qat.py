@@ -132,14 +132,17 @@ def test_policy_on_the_hybrid_model_and_an_optimizer_step():
         (qat.QATRule("layers.*.mixer", qat.QATConfig()), qat.QATRule("layers.1.*", None))
     )
     model = _tiny_model()
-    base = model(tokens)
+    # jitted: a whole-model program per QAT setting (the policy is part of the module graph, so
+    # each setting traces anew) instead of hundreds of op-by-op compiles
+    forward = nnx.jit(lambda m, t: m(t))
+    base = forward(model, tokens)
     resolved = apply_qat_policy(model, policy)
     assert resolved == {"layers.0.mixer": qat.QATConfig(), "layers.1.mixer": None,
                         "layers.2.mixer": qat.QATConfig()}  # fmt: skip
-    quantised = model(tokens)
+    quantised = forward(model, tokens)
     assert 0 < rel_rms(quantised, base) < 0.1
     apply_qat_policy(model, qat.QATPolicy())  # all off: bitwise the model without QAT
-    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(base))
+    np.testing.assert_array_equal(np.asarray(forward(model, tokens)), np.asarray(base))
 
     # One AdamW step with QAT on trains (finite loss, every parameter moves).
     apply_qat_policy(model, policy)
@@ -149,9 +152,14 @@ def test_policy_on_the_hybrid_model_and_an_optimizer_step():
         logits = m(tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
+    @nnx.jit
+    def step(m, opt):
+        loss, grads = nnx.value_and_grad(loss_fn)(m)
+        opt.update(m, grads)
+        return loss
+
     before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
+    loss = step(model, opt)
     assert np.isfinite(float(loss))
     moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, nnx.state(model, nnx.Param))
     assert all(jax.tree.leaves(moved))
