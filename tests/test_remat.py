@@ -224,6 +224,7 @@ def test_channel_pallas_products_follow_the_policy():
         assert sorted(moved) == ([("bf16", f"[1,{T},{H},64]")] * 6 if action == "offload" else [])
         intra = _kernel_launches(jaxpr.jaxpr, "chan_intra_wy")
         assert intra == (2 if action == "remat" else 1), (action, intra)
+    assert action == "remat"  # the last policy's program, lowered
     with pk.cuda_lowering_mesh():
         txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]

@@ -8,14 +8,12 @@ the f32 recurrent oracle: error(kernel) <= 2 * error(oracle run in the io dtype)
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from channel_cases import NAMES, channel_case, check_channel_2x, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT, run_interpreted
+from gdn_cases import RECURRENT, lowered_kernels, run_interpreted
 
 import gdn_jax
 from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS, channel_pallas
@@ -114,10 +112,8 @@ def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
 
     with pk.cuda_lowering_mesh():
         txt = jax.jit(f).trace(*args, cu=cu).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
-    # the kernel's symbol sits NUL-delimited inside the serialized module of its custom call
-    found = {name for ln in calls for name in KERNELS if re.search(rf"\\00{name}\\00", ln)}
-    assert found == set(KERNELS), (found, len(calls))
+    found = lowered_kernels(txt, KERNELS)
+    assert found == set(KERNELS), found
 
 
 # ------------------------------------------------------------------------------------------------
