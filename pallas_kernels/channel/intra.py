@@ -223,7 +223,10 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     """One CTA per (chunk, value head, batch row): L → A = (I + L)⁻¹ → w, u (and A when
     ``store_a``).
 
-    Refs: KDA (k, v, G, gr, β | w, u[, A]); GDN2 (k, v, G, gr, b, w_gate | w, u[, A]).
+    Refs: KDA (k, v, G, gr, β | w, u[, A]); GDN2 (k, bk, vw, G, gr | w, u[, A]) with the gated
+    operands bk = b ⊙ k and vw = w_gate ⊙ v formed by :func:`channel_intra` (io dtype, per value
+    head), so GDN2's CTA loads 16-bit tiles where it would load the f32 gates, and its u is a
+    plain product.
 
     L is contracted over K in K/64 passes of 64 columns (each pass adds its partial products to
     four [C, 16] f32 register tiles, one per column block, :meth:`_Factored.pass_products`); w
@@ -235,29 +238,28 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     there; barriers 8 B each):
 
       always:    inverse scratch x, oy [C, C] 8192 each; w's right operand b ⊙ e^G ⊙ k
-                 2 × [C, 64] 16384; v 2 × [C, 64] 16384 (prefetched); operand / output
-                 staging 2 × [C, 64] 16384; β 256 (KDA); 12 / 9 barriers
-                                                      GDN2 65 664 / KDA 65 864
+                 2 × [C, 64] 16384; v (GDN2: vw) 2 × [C, 64] 16384 (prefetched); operand /
+                 output staging 2 × [C, 64] 16384; β 256 (KDA); 10 / 9 barriers
+                                                      GDN2 65 648 / KDA 65 864
       L pass:    k [C, 64] 8192, G [C, 64] f32 16384, reference rows [4, 64] f32 1024,
-                 b [C, 64] f32 16384 (GDN2)           GDN2 41 984 / KDA 25 632
-      tail:      w_gate 2 × [C, 64] f32 32768 (GDN2)  GDN2 32 768 / KDA 32
+                 bk [C, 64] 8192 (GDN2)               GDN2 33 792 / KDA 25 632
 
-    Peak (always + L pass): 107 648 B (GDN2) / 91 496 B (KDA), under half an SM (228 KiB,
+    Peak (always + L pass): 99 440 B (GDN2) / 91 496 B (KDA), under half an SM (228 KiB,
     1 KiB reserved per CTA), so two CTAs share an SM (tests/pallas/test_channel_intra.py lowers
     it under that limit).
 
     f16 io: the L operands are bf16 hi/lo pairs, four [C, 64] bf16 tiles (32 768 B) in each
     pass's scope (the f16 staging tiles cannot hold bf16). To stay under half an SM, the
     inverse scratch x, oy and the output staging (32 768 B, used only after the L passes) are
-    allocated in the tail's scope instead of "always": peak = always (32 896 / 33 096) +
-    L pass (74 752 / 58 400).
+    allocated in the tail's scope instead of "always": peak = always (32 880 / 33 096) +
+    L pass (66 560 / 58 400).
     """
     scalar = cfg.scalar_beta
     if scalar:
         k_g, v_g, G_g, gr_g, be_g, *outs = refs
-        b_g = wg_g = None
+        bk_g = None
     else:
-        k_g, v_g, G_g, gr_g, b_g, wg_g, *outs = refs
+        k_g, bk_g, v_g, G_g, gr_g, *outs = refs
         be_g = None
     w_g, u_g = outs[:2]
     a_g = outs[2] if cfg.store_a else None
@@ -279,14 +281,14 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         if scalar:
             bars.load([(be_g.at[b, hv, rows], be_s)])
 
-        def l_pass(p, L, k_s, g_s, gr_s, b_s, *ops):
+        def l_pass(p, L, k_s, g_s, gr_s, bk_s, *ops):
             srcs = [
                 (k_g.at[b, rows, hk, _cols(p)], k_s),
                 (G_g.at[b, rows, hv, _cols(p)], g_s),
                 (gr_g.at[b, hv, pl.ds(c * NSUB, NSUB), _cols(p)], gr_s),
             ]
             if not scalar:
-                srcs.append((b_g.at[b, rows, hv, _cols(p)], b_s))
+                srcs.append((bk_g.at[b, rows, hv, _cols(p)], bk_s))
             bars.load(srcs)
             dec = Decay(g_s, gr_s, None, dt)
 
@@ -294,7 +296,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                 return finite(cp.load_tile(k_s).astype(f32))
 
             def bk():  # the erase-gated key (KDA: β is applied to L's rows instead)
-                return k_f32() if scalar else finite(cp.load_tile(b_s)) * k_f32()
+                return k_f32() if scalar else cp.load_tile(bk_s).astype(f32)
 
             row_s, col_s = ops if hilo else st_o
             L = fp.pass_products(dec, bk(), row_s, col_s, k_f32, L)
@@ -310,7 +312,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
             fp.tile(),  # k
             fp.tile(f32),  # G
             cp.smem((NSUB, HALF), f32, swizzled=False),  # reference rows
-            cp.smem((8,), f32) if scalar else fp.tile(f32),  # b (GDN2)
+            cp.smem((8,), f32) if scalar else fp.tile(),  # bk (GDN2)
             *fp.hilo_tiles(),
         )
         row = cp.iota((C, C), 0)
@@ -320,14 +322,8 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         if scalar:
             L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
 
-        def tail(wg_s, *own):
+        def tail(*own):
             x_s, oy_s, st_s = own if hilo else (x_o, oy_o, st_o)
-            wg_ids = []
-            if not scalar:
-                wg_ids = bars.load(
-                    [(wg_g.at[b, rows, hv, _cols(p)], wg_s[p]) for p in range(vpass)],
-                    wait=False,
-                )
             a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
             beta = be_s if scalar else None  # GDN2: be_s is an unused placeholder
             oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, beta, dt).astype(dt)
@@ -355,23 +351,20 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                 )
                 for p in range(kpass):
                     put(ws[p], w_g.at[b, rows, hv, _cols(p)])
-            bars.wait(v_ids + wg_ids)
+            bars.wait(v_ids)
             for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
-                # in place (each thread rewrites the elements it read): v, w_gate as read from
-                # the op's raw inputs, non-finite values as 0
-                vt = finite(cp.load_tile(v_s[p]).astype(f32))
-                if not scalar:
-                    vt = finite(cp.load_tile(wg_s[p])) * vt
-                v_s[p][...] = vt.astype(dt)
-                plgpu.commit_smem()
+                if scalar:
+                    # in place (each thread rewrites the elements it read): v as read from the
+                    # op's raw inputs, non-finite values as 0 (GDN2's vw is finite already)
+                    v_s[p][...] = finite(cp.load_tile(v_s[p]).astype(f32)).astype(dt)
+                    plgpu.commit_smem()
                 put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(
-            tail,
-            cp.smem((8,), f32) if scalar else tuple(fp.tile(f32) for _ in range(vpass)),
-            *(late_tiles() if hilo else ()),
-        )
+        if hilo:
+            pl.run_scoped(tail, *late_tiles())
+        else:
+            tail()
 
     def late_tiles():
         return (
@@ -382,11 +375,11 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
 
     x_spec, oy_spec, st_spec = late_tiles()
     wop_spec = tuple(fp.tile() for _ in range(kpass))  # w's right operand, per K-half
-    v_spec = tuple(fp.tile() for _ in range(vpass))  # v (GDN2: then w_gate ⊙ v), per V-half
+    v_spec = tuple(fp.tile() for _ in range(vpass))  # v (GDN2: vw), per V-half
     be_spec = cp.smem((C,) if scalar else (8,), f32)  # β (KDA)
-    # one barrier per load: v and w_gate per V-half, β, and per K-half pass k, G, the
-    # reference rows (and b)
-    n_bar = vpass + 1 + 3 * kpass if scalar else 2 * vpass + 4 * kpass
+    # one barrier per load: v per V-half, β (KDA), and per K-half pass k, G, the reference rows
+    # (and bk)
+    n_bar = vpass + 1 + 3 * kpass if scalar else vpass + 4 * kpass
     bar_spec = plgpu.Barrier(num_barriers=n_bar)
     if hilo:
         # f16 io: the tiles used only after the L passes (inverse scratch, output staging)
@@ -508,6 +501,25 @@ def reference_rows(G: jax.Array) -> tuple[jax.Array, jax.Array]:
     return gr, gl
 
 
+def gated_operands(k, v, b, w_gate) -> tuple[jax.Array, jax.Array]:
+    """GDN2's gated operands of the wy kernel, in the io dtype, non-finite inputs read as 0.
+
+    Args:
+      k: [B, T, H, K]; v: [B, T, HV, V] (16-bit); b: [B, T, HV, K] f32 erase gate;
+      w_gate: [B, T, HV, V] f32 write gate.
+    Returns:
+      (bk [B, T, HV, K] = b ⊙ k (k repeated over the value heads of its group),
+      vw [B, T, HV, V] = w_gate ⊙ v), both in k.dtype. vw is the 16-bit operand the kernel would
+      round the product to; bk is rounded once more than L's f32 product of b and k.
+    """
+    dt = k.dtype
+    group = v.shape[2] // k.shape[2]
+    kr = finite(jnp.repeat(k, group, axis=2).astype(f32))
+    bk = (finite(b) * kr).astype(dt)
+    vw = (finite(w_gate) * finite(v.astype(f32))).astype(dt)
+    return bk, vw
+
+
 def channel_intra(
     q: jax.Array,
     k: jax.Array,
@@ -571,7 +583,9 @@ def channel_intra(
         B=B,
         name="chan_intra_qk",
     )
-    gates = (b,) if config.scalar_beta else (b, w_gate)
-    w, u, *a = wy(k, v, G, gr, *gates)
+    if config.scalar_beta:
+        w, u, *a = wy(k, v, G, gr, b)
+    else:
+        w, u, *a = wy(k, *gated_operands(k, v, b, w_gate), G, gr)
     qg, kg, aqk = qk(q, k, G, gr, gl)
     return (qg, kg, w, u, aqk, *a)
