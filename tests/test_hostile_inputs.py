@@ -284,16 +284,21 @@ def test_pallas_interpreter_non_finite_q_k_through_the_l2norm():
                                         use_qk_l2norm=True, output_final_state=True)  # fmt: skip
         return o, s
 
-    def grads(impl, q, k, v):
-        loss = lambda q, k, v: jnp.sum(jnp.where(jnp.isnan(o := run(impl, q, k, v)[0]), 0, o))
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    def outputs_and_grads(impl, q, k, v):
+        """(o, final state) and the gradients of Σ o (NaN read as 0), from one forward pass."""
+
+        def loss(q, k, v):
+            o, s = run(impl, q, k, v)
+            return jnp.sum(jnp.where(jnp.isnan(o), 0, o)), (o, s)
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)[::-1]
 
     with pk.use_mode("interpret"):
         try:
-            got = run("pallas", q, k, v), grads("pallas", q, k, v)
+            got = outputs_and_grads("pallas", q, k, v)
         finally:
             pk.reset_interpreter()
-    want = run("xla", q, k, v), grads("xla", q, k, v)
+    want = outputs_and_grads("xla", q, k, v)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
@@ -330,19 +335,22 @@ def test_pallas_interpreter_non_finite_raw_inputs(variant, l2norm):
     def run(impl, *xs):
         return OPS[variant](*xs, implementation=impl, use_qk_l2norm=l2norm, output_final_state=True)
 
-    def grads(impl):
-        def loss(*xs):
-            o = run(impl, *xs)[0].astype(f32)
-            return jnp.sum(jnp.where(jnp.isnan(o), 0, o))
+    def outputs_and_grads(impl):
+        """(o, final state) and the gradients of Σ o (NaN read as 0), from one forward pass."""
 
-        return jax.grad(loss, argnums=tuple(range(len(xs))))(*xs)
+        def loss(*xs):
+            o, s = run(impl, *xs)
+            o32 = o.astype(f32)
+            return jnp.sum(jnp.where(jnp.isnan(o32), 0, o32)), (o, s)
+
+        return jax.grad(loss, argnums=tuple(range(len(xs))), has_aux=True)(*xs)[::-1]
 
     with pk.use_mode("interpret"):
         try:
-            got = run("pallas", *xs), grads("pallas")
+            got = outputs_and_grads("pallas")
         finally:
             pk.reset_interpreter()
-    want = run("xla", *xs), grads("xla")
+    want = outputs_and_grads("xla")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
