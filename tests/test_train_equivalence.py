@@ -122,12 +122,14 @@ def test_step_lowers_for_cuda_with_offload_and_fp8():
 
 
 def test_gpu_script_main(tmp_path, monkeypatch):
-    """The GPU script end to end at one step: (a) = (b) passes, and ``--f32-reference`` gives
-    each run's distance from f32 compute (equal for bitwise-equal runs, nonzero for BF16)."""
+    """The GPU script end to end at one step of the tiny model cut to 2 GDN layers (the
+    attention layer's offload is test_offload_remat_bitwise's): (a) = (b) passes, and
+    ``--f32-reference`` gives each run's distance from f32 compute (equal for bitwise-equal
+    runs, nonzero for BF16)."""
     monkeypatch.setenv("XLA_FLAGS", "")  # main adds its GPU flags; restored afterwards
     out = tmp_path / "report.json"
-    argv = ["--preset", "tiny", "--seq", "16", "--fp8", "none", "--variants", "save,offload",
-            "--steps", "1", "--f32-reference", "--json", str(out)]  # fmt: skip
+    argv = ["--preset", "tiny", "--layers", "2", "--seq", "16", "--fp8", "none", "--variants",
+            "save,offload", "--steps", "1", "--f32-reference", "--json", str(out)]  # fmt: skip
     assert ge.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     (ab,) = [r for r in rows if r.get("vs") is None]
