@@ -76,13 +76,12 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
 
 
-# Every pair of (variant, K, V, dtype, packed) values in eight cases (a two-level orthogonal
-# array: dtype = variant xor K, packed = K xor V).
+# Every pair of (variant, K, V, dtype, packed) values in six cases (a pairwise covering array),
+# each variant with 2 and 4 value heads.
 @pytest.mark.parametrize(
     "variant,K,V,HV,dtype,packed",
     [("kda", 64, 64, 2, "bfloat16", False), ("gdn2", 64, 128, 2, "float16", True),
      ("gdn2", 128, 64, 2, "bfloat16", True), ("kda", 128, 128, 4, "float16", False),
-     ("gdn2", 64, 64, 2, "float16", False), ("kda", 64, 128, 2, "bfloat16", True),
      ("kda", 128, 64, 4, "float16", True), ("gdn2", 128, 128, 4, "bfloat16", False)],
 )  # fmt: skip
 def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
