@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     graphdef, params, meta = nnx.split(model, nnx.Param, fp8_lib.FP8Meta)
     tx = train_example.make_optimizer(args)
-    opt_state = jax.jit(tx.init)(params)
+    params, meta, opt_state = train_example.init_state(tx, params, meta, mesh)
 
     def loss_fn(params, batch, meta):
         m = nnx.merge(graphdef, params, meta)

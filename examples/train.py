@@ -242,6 +242,25 @@ def place_batch(batch: dict, mesh, rules) -> dict:
     return jax.tree.map(place, batch)
 
 
+def init_state(tx, params, meta, mesh):
+    """(params, meta, a fresh optimizer state) laid out as a train step returns them: committed
+    to the first local device without a mesh; on a mesh the optimizer's moments like their
+    parameters and its counters replicated. The step then compiles once, not again for the
+    second step's inputs."""
+    if mesh is None:
+        layout = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        params, meta = jax.device_put((params, meta), layout)
+    else:
+        layout = optax.tree_map_params(
+            tx,
+            lambda _, p: p.sharding,
+            jax.eval_shape(tx.init, params),
+            params,
+            transform_non_params=lambda _: NamedSharding(mesh, P()),
+        )
+    return params, meta, jax.jit(tx.init, out_shardings=layout)(params)
+
+
 def open_checkpoints(out: Path, *, resume: bool) -> ocp.CheckpointManager:
     """The Orbax manager of ``<out>/checkpoints`` (written by all processes together); a run
     that does not resume drops the old run's checkpoints."""
@@ -257,15 +276,12 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, state) -> None:
     manager.save(step, args=ocp.args.StandardSave(state))
 
 
-def restore_checkpoint(manager: ocp.CheckpointManager, step: int, like, mesh):
-    """Checkpoint ``step`` restored into the layout of ``like`` (whatever mesh and process
-    count wrote it); on a mesh, leaves of ``like`` kept on one device (an optimizer's step
-    count) are restored replicated."""
+def restore_checkpoint(manager: ocp.CheckpointManager, step: int, like):
+    """Checkpoint ``step`` restored into the layout of ``like`` (:func:`init_state`'s; whatever
+    mesh and process count wrote it)."""
 
     def layout(x):
-        single = mesh is not None and not isinstance(x.sharding, NamedSharding)
-        sh = NamedSharding(mesh, P()) if single else x.sharding
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
     return manager.restore(step, args=ocp.args.StandardRestore(jax.tree.map(layout, like)))
 
@@ -399,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
     graphdef, params, meta = nnx.split(model, nnx.Param, fp8_lib.FP8Meta)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     tx = make_optimizer(args)
-    opt_state = jax.jit(tx.init)(params)  # follows the parameters' layout
+    params, meta, opt_state = init_state(tx, params, meta, mesh)
 
     # Batches are pure functions of the step (examples/train_tasks.py). Each process computes
     # the step's batch on one of its own devices and hands over the rows its devices hold;
@@ -442,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = 0
     if args.resume and manager.latest_step() is not None:
         start = manager.latest_step()
-        restored = restore_checkpoint(manager, start, dict(params=params, opt=opt_state), mesh)
+        restored = restore_checkpoint(manager, start, dict(params=params, opt=opt_state))
         params, opt_state = restored["params"], restored["opt"]
 
     def save(step):
