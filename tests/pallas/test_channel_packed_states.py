@@ -5,7 +5,8 @@ its last; the backward's recomputation and reverse loop mirror both).
 
 CPU only: the op under the Mosaic GPU interpreter against the f32 recurrence (2x rule, every
 output and gradient), the op's CUDA lowering (one lane, the table passed to the three chunk
-loops) and each table-driven kernel's CUDA lowering (SMEM budget) and argument checks. The GPU
+loops: :func:`check_one_lane`, run on test_channel_pallas.py's packed lowering cases) and each
+table-driven kernel's CUDA lowering (SMEM budget) and argument checks. The GPU
 runs of this path are test_channel_pallas.py's ``packed`` cases and test_channel_pallas_bwd.py's
 packed GPU_CASES.
 """
@@ -74,33 +75,12 @@ def _calls(txt: str) -> dict[str, list[tuple[int, ...]]]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_packed_states_run_on_one_lane(variant):
-    """The lowered fwd+bwd of packed sequences with states runs every kernel on one lane of
-    64 (ceil(T / 64) + N) rows (not N lanes of ~T rows), and the three chunk loops read the
-    [rows / 64, META_COLS] int32 table."""
-    B, T, H, HV, K, V, N = 1, 1000, 2, 4, 64, 64, 4
-    S = jax.ShapeDtypeStruct
-    if variant == "kda":
-        gates = (S((B, T, HV), f32),)
-    else:
-        gates = (S((B, T, HV, K), f32), S((B, T, HV, V), f32))
-    xs = (S((B, T, H, K), bf16), S((B, T, H, K), bf16), S((B, T, HV, V), bf16))
-    xs += (S((B, T, HV, K), f32), *gates)
-    op = pallas_op(variant)
-
-    def f(xs, h0, cu):
-        def loss(xs, h0):
-            o, s = op(
-                *xs, initial_state=h0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True
-            )
-            return jnp.sum(o.astype(f32)) + jnp.sum(s)
-
-        return jax.value_and_grad(loss, argnums=(0, 1))(xs, h0)
-
-    with pk.cuda_lowering_mesh():
-        lowered = jax.jit(f).trace(xs, S((N, HV, K, V), f32), S((N + 1,), jnp.int32))
-        calls = _calls(lowered.lower(lowering_platforms=("cuda",)).as_text())
+def check_one_lane(txt: str, T: int, N: int, HV: int, K: int, V: int) -> None:
+    """Lowered fwd+bwd text ``txt`` of packed sequences with states (``N`` sequences, ``T``
+    tokens) runs every kernel on one lane of 64 (ceil(T / 64) + N) rows (not N lanes of ~T
+    rows), and the three chunk loops read the [rows / 64, META_COLS] int32 table and one state
+    row per sequence. Run on test_channel_pallas.py::test_lowers_for_cuda's packed cases."""
+    calls = _calls(txt)
     assert set(calls) == set(KERNELS), set(calls)
     rows = 64 * (-(-T // 64) + N)
     assert rows < N * T

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from channel_cases import NAMES, channel_case, check_channel_2x, loss_and_grads, pallas_op
 from gdn_cases import RECURRENT, lowered_kernels, run_interpreted
+from test_channel_packed_states import check_one_lane
 
 import gdn_jax
 from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS, channel_pallas
@@ -86,8 +87,9 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
 )  # fmt: skip
 def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
     """fwd+bwd of the op with initial and final states lowers every kernel for the GPU:
-    packed sequences on one lane (the chunk loops driven by the sequence table) or a dense
-    batch of two rows (the loops without the table)."""
+    packed sequences on one lane (the chunk loops driven by the sequence table; the lane's rows,
+    table and state rows checked by test_channel_packed_states.check_one_lane) or a dense batch
+    of two rows (the loops without the table)."""
     B, T, H = (1 if packed else 2), 200, 2
     S, bf, f = jax.ShapeDtypeStruct, jnp.dtype(dtype), jnp.float32
     gates = (S((B, T, HV, K), f), S((B, T, HV, K), f), S((B, T, HV, V), f))
@@ -113,6 +115,8 @@ def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
         txt = jax.jit(f).trace(*args, cu=cu).lower(lowering_platforms=("cuda",)).as_text()
     found = lowered_kernels(txt, KERNELS)
     assert found == set(KERNELS), found
+    if packed:
+        check_one_lane(txt, T, 3, HV, K, V)
 
 
 # ------------------------------------------------------------------------------------------------
