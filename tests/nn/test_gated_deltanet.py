@@ -134,7 +134,7 @@ def test_linen_adapter_matches_nnx():
     kw = dict(num_heads=2, head_dim=8, num_v_heads=4, v_head_dim=6, chunk_size=16)
     x = rand((2, 10, D))
     linen_layer = gated_deltanet_linen(D, **kw)
-    variables = linen_layer.init(jax.random.key(0), x)
+    variables = jax.jit(linen_layer.init)(jax.random.key(0), x)
     y_linen = jax.jit(linen_layer.apply)(variables, x)
     # The same weights in an NNX layer give the same output.
     layer = GatedDeltaNet(D, **kw, rngs=nnx.Rngs(123))
