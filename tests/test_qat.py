@@ -64,13 +64,19 @@ def test_xla_matches_chunk_reference_with_both_sites(variant, granularity):
 
 
 def test_enabling_changes_output_and_disabling_restores_it_bitwise():
+    """The op without ``qat``, with ``qat=None`` (bitwise the same) and with each site on (each
+    call jitted: a program per setting)."""
     x = random_inputs(5, B=1, T=130, H=1, HV=2, K=16, V=16, dtype=jnp.bfloat16)
     args = positional(x, "gdn")
-    base, _ = OPS["gdn"](*args, use_qk_l2norm=True, **XLA)
-    off, _ = OPS["gdn"](*args, use_qk_l2norm=True, qat=None, **XLA)
-    np.testing.assert_array_equal(np.asarray(base), np.asarray(off))
+    default = jax.jit(lambda *a: OPS["gdn"](*a, use_qk_l2norm=True, **XLA)[0])
+    with_qat = jax.jit(
+        lambda *a, cfg: OPS["gdn"](*a, use_qk_l2norm=True, qat=cfg, **XLA)[0],
+        static_argnames="cfg",
+    )
+    base = default(*args)
+    np.testing.assert_array_equal(np.asarray(base), np.asarray(with_qat(*args, cfg=None)))
     for sites in (("state",), ("w",)):
-        on, _ = OPS["gdn"](*args, use_qk_l2norm=True, qat=qat.QATConfig(sites=sites), **XLA)
+        on = with_qat(*args, cfg=qat.QATConfig(sites=sites))
         assert 0 < rel_rms(on, base) < 0.2, sites  # changed, but by FP8 rounding only
 
 
