@@ -17,10 +17,9 @@ in q only token t's outputs. The final state is NaN in the same heads and column
 outputs are exactly those of the same inputs with the bad value replaced by any finite one.
 
 Cost: one elementwise pass over the inputs (``isfinite``, the replacement) and over the output,
-and the search for the first bad token per head and value column: block reductions that read
-each input once, then the rows of one block gathered (:func:`_first_bad`; with ``cu_seqlens``,
-segment-mins of per-token flags). GDN's Pallas path with ``use_qk_l2norm`` gets the raw q and k:
-its l2norm kernels make the same replacement as they load them, so only the flags read q and k.
+and min-reductions over T of a [B, T, HV] and a [B, T, HV, V] flag (segment-mins with
+``cu_seqlens``). GDN's Pallas path with ``use_qk_l2norm`` gets the raw q and k: its l2norm
+kernels make the same replacement as they load them, so only the flags read q and k.
 """
 
 from __future__ import annotations
@@ -109,58 +108,20 @@ def _bad(x: jax.Array, keep: int) -> jax.Array:
     return _any_after(~jnp.isfinite(x), keep)
 
 
-BLOCK = 64  # rows per block of the first-bad-token search
-
-
-def _not_finite(x: jax.Array) -> jax.Array:
-    return ~jnp.isfinite(x)
-
-
-def _nan_or_growth(g: jax.Array) -> jax.Array:
-    """The log-decay values that poison (NaN, +inf; −inf is a full decay)."""
-    return jnp.isnan(g) | (g == jnp.inf)
-
-
-def _first_bad(x: jax.Array, bad, per_column: bool) -> jax.Array:
-    """The first token of each batch row at which ``bad(x)`` holds: [B, A] (any over the axes
-    after the third, ``per_column`` False) or [B, A, D] (per column of x [B, T, A, D]); T where
-    it never does.
-
-    Each input is read once by reductions whose outputs are small, so XLA never writes a
-    per-token flag array in a transposed layout: ``any`` over the rows of each 64-row block
-    (with the columns in their own layout), the first bad block, then the rows of that one
-    block, gathered. Per-token flags reduced over T made XLA write them with T minor, at a
-    fraction of the memory bandwidth (0.14 ms of KDA's forward at B4 T4096 HV16 on the H100,
-    ``benchmarks/profile_ops.py``). Rows after the last whole block are scanned per token.
-    """
-    B, T, A = x.shape[:3]
-    nb = T // BLOCK
-    T0 = nb * BLOCK
-
-    def squash(f):  # [B, n, A, ...] -> [B, n, A] (any over the rest) unless per column
-        return f if per_column else jnp.any(f, axis=tuple(range(3, f.ndim)))
-
-    tail = squash(bad(x[:, T0:]))  # [B, T - T0, A(, D)]
-    t_tail = jnp.arange(T0, T, dtype=jnp.int32).reshape((1, T - T0) + (1,) * (tail.ndim - 2))
-    first = jnp.min(jnp.where(tail, t_tail, T), axis=1, initial=T)
-    if nb == 0:
-        return first
-    xb = x[:, :T0].reshape((B, nb, BLOCK) + x.shape[2:])
-    blk = squash(jnp.any(bad(xb), axis=2))  # [B, nb, A(, D)]
-    ids = jnp.arange(nb, dtype=jnp.int32).reshape((1, nb) + (1,) * (blk.ndim - 2))
-    fb = jnp.min(jnp.where(blk, ids, nb), axis=1)  # first bad block, nb where none
-    fbc = jnp.minimum(fb, nb - 1)
-    bi = jnp.arange(B)[:, None]
-    ai = jnp.arange(A)[None, :]
-    if per_column:  # rows [B, A, D, 64]
-        D = x.shape[3]
-        rows = xb[bi[..., None], fbc, :, ai[..., None], jnp.arange(D)[None, None, :]]
-        rbad = bad(rows)
-    else:  # rows [B, A, 64, ...]
-        rows = xb[bi, fbc, :, ai]
-        rbad = jnp.any(bad(rows), axis=tuple(range(3, rows.ndim)))
-    r = jnp.min(jnp.where(rbad, jnp.arange(BLOCK, dtype=jnp.int32), BLOCK), axis=-1)
-    return jnp.minimum(first, jnp.where(fb < nb, fb * BLOCK + r, T))
+def _first(idx: jax.Array, T: int) -> jax.Array:
+    """``min`` over axis 1 (T) of ``idx`` [B, T, ...] int32, as two reductions: over 64-row
+    blocks, then over the blocks (the barrier keeps XLA from merging them back). One column
+    reduction over all of T, fused with the sanitising selects, took 0.27 ms for GDN2's v and
+    w at B4 T4096 HV16 on the H200, four times their bytes (``benchmarks/profile_ops.py``)."""
+    blk = 64
+    if T <= blk:
+        return jnp.min(idx, axis=1)
+    pad = -T % blk
+    if pad:
+        idx = jnp.pad(idx, [(0, 0), (0, pad)] + [(0, 0)] * (idx.ndim - 2), constant_values=T)
+    B = idx.shape[0]
+    part = jnp.min(idx.reshape((B, (T + pad) // blk, blk) + idx.shape[2:]), axis=2)
+    return jnp.min(jax.lax.optimization_barrier(part), axis=1)
 
 
 def inputs(q, k, v, g, heads, cols, cu_seqlens):
@@ -178,30 +139,24 @@ def inputs(q, k, v, g, heads, cols, cu_seqlens):
     HV = v.shape[2]
     rep = HV // H
     now = jnp.repeat(_bad(q, 3), rep, axis=2)  # [B, T, HV]
+    head = jnp.repeat(_bad(k, 3), rep, axis=2)
     g32 = g.astype(f32)
+    bad_g = jnp.isnan(g32) | (g32 == jnp.inf)
+    head = head | _any_after(bad_g, 3)
+    for x in heads:
+        head = head | _bad(x, 3)
+    col = ~jnp.isfinite(v)
+    for x in cols:
+        col = col | ~jnp.isfinite(x)
+    t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+    # first bad token per head and per value column, reduced apart (head flags are never
+    # broadcast over V), then combined
+    head_idx = jnp.where(head, t, T)  # [B, T, HV]
+    col_idx = jnp.where(col, t[..., None], T)  # [B, T, HV, V]
     if cu_seqlens is None:
         seq = None
-        # first bad token per head and per value column, searched apart (head flags are never
-        # broadcast over V), then combined
-        head = jnp.repeat(_first_bad(k, _not_finite, False), rep, axis=1)  # [B, HV]
-        head = jnp.minimum(head, _first_bad(g32, _nan_or_growth, False))
-        for x in heads:
-            head = jnp.minimum(head, _first_bad(x, _not_finite, False))
-        col = _first_bad(v, _not_finite, True)  # [B, HV, V]
-        for x in cols:
-            col = jnp.minimum(col, _first_bad(x, _not_finite, True))
-        first = jnp.minimum(head[..., None], col)
+        first = jnp.minimum(_first(head_idx, T)[..., None], _first(col_idx, T))
     else:
-        head = jnp.repeat(_bad(k, 3), rep, axis=2)
-        head = head | _any_after(_nan_or_growth(g32), 3)
-        for x in heads:
-            head = head | _bad(x, 3)
-        col = ~jnp.isfinite(v)
-        for x in cols:
-            col = col | ~jnp.isfinite(x)
-        t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
-        head_idx = jnp.where(head, t, T)  # [B, T, HV]
-        col_idx = jnp.where(col, t[..., None], T)  # [B, T, HV, V]
         seq = sequence_ids(cu_seqlens, T)
         n = cu_seqlens.shape[0] - 1
         first_head = jax.ops.segment_min(head_idx[0], seq, num_segments=n)

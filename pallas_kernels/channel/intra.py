@@ -514,10 +514,6 @@ def gated_operands(k, v, b, w_gate) -> tuple[jax.Array, jax.Array]:
     """
     dt = k.dtype
     group = v.shape[2] // k.shape[2]
-    # The barrier keeps XLA from fusing these products with the op's non-finite search over the
-    # same inputs: fused, the two made multi-output reductions of 0.09 ms each at GDN2 B4 T4096
-    # HV16 on the H100 (``benchmarks/profile_ops.py``), several times the bytes' time.
-    k, v, b, w_gate = jax.lax.optimization_barrier((k, v, b, w_gate))
     kr = finite(jnp.repeat(k, group, axis=2).astype(f32))
     bk = (finite(b) * kr).astype(dt)
     vw = (finite(w_gate) * finite(v.astype(f32))).astype(dt)
