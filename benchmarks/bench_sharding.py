@@ -116,7 +116,7 @@ def _run(config, args, tokens, mesh):
             constrain = lambda t: jax.sharding.reshard(t, tok_sharding)
         else:
             constrain = lambda t: jax.lax.with_sharding_constraint(t, tok_sharding)
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = sharding.init_optimizer_state(tx, params, mesh)  # the step compiles once
     step = _step_fn(graphdef, tx, constrain)
     t, (params_1, opt_state_1, loss, grads) = _time(step, params, opt_state, tokens, args.iters)
     losses = [float(loss)]  # training: the loss of each of --train-steps updates

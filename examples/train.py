@@ -38,8 +38,6 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -245,20 +243,11 @@ def place_batch(batch: dict, mesh, rules) -> dict:
 def init_state(tx, params, meta, mesh):
     """(params, meta, a fresh optimizer state) laid out as a train step returns them: committed
     to the first local device without a mesh; on a mesh the optimizer's moments like their
-    parameters and its counters replicated. The step then compiles once, not again for the
-    second step's inputs."""
+    parameters and its counters replicated (:func:`gdn_jax.sharding.init_optimizer_state`). The
+    step then compiles once, not again for the second step's inputs."""
     if mesh is None:
-        layout = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        params, meta = jax.device_put((params, meta), layout)
-    else:
-        layout = optax.tree_map_params(
-            tx,
-            lambda _, p: p.sharding,
-            jax.eval_shape(tx.init, params),
-            params,
-            transform_non_params=lambda _: NamedSharding(mesh, P()),
-        )
-    return params, meta, jax.jit(tx.init, out_shardings=layout)(params)
+        params, meta = jax.device_put((params, meta), jax.local_devices()[0])
+    return params, meta, sharding.init_optimizer_state(tx, params, mesh)
 
 
 def open_checkpoints(out: Path, *, resume: bool) -> ocp.CheckpointManager:

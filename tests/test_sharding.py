@@ -268,3 +268,35 @@ def test_model_modes_match_one_device_bf16():
     assert not bench.matches_one_device(
         {**rows[0], "grad_rel_rms_f32": 3 * rows[0]["grad_floor"]}, 5e-3
     )
+
+
+@pytest.mark.parametrize("on_mesh", [True, False])
+def test_init_optimizer_state_lets_the_step_compile_once(on_mesh):
+    """A train step fed its own outputs compiles once when the optimizer state comes from
+    init_optimizer_state; from a bare jit(tx.init) on a mesh (counters on one device) it compiles
+    again for the second step."""
+    tx = optax.adamw(1e-2)
+    params = {"w": jnp.ones((8, 4)), "b": jnp.zeros((4,))}
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,)) if on_mesh else None
+    if on_mesh:
+        params = {
+            "w": jax.device_put(params["w"], NamedSharding(mesh, P("data"))),
+            "b": jax.device_put(params["b"], NamedSharding(mesh, P())),
+        }
+    else:
+        params = jax.device_put(params, jax.devices()[0])
+
+    def run(opt_state):
+        @jax.jit
+        def step(p, s):
+            grads = jax.grad(lambda p: jnp.sum(p["w"] @ p["b"] + p["w"].sum()))(p)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s
+
+        p, s = step(params, opt_state)
+        step(p, s)
+        return step._cache_size()
+
+    assert run(sh.init_optimizer_state(tx, params, mesh)) == 1
+    if on_mesh:
+        assert run(jax.jit(tx.init)(params)) == 2

@@ -15,7 +15,7 @@ Modules, one job each:
 - :mod:`~gdn_jax.sharding.explicit`: model pieces on Explicit mesh axes (projections, gathers).
 - :mod:`~gdn_jax.sharding.mesh`: :func:`parse_mesh`, :func:`make_mesh`.
 - :mod:`~gdn_jax.sharding.model_rules`: :func:`logical_axis_rules`, :func:`shard_model` and the
-  other model layouts.
+  other model layouts, :func:`init_optimizer_state`.
 
 Example::
 
@@ -49,6 +49,7 @@ from gdn_jax.sharding.mesh import make_mesh, parse_mesh
 from gdn_jax.sharding.model_rules import (
     batch_sharding,
     check_model_divisibility,
+    init_optimizer_state,
     logical_axis_rules,
     model_core_sharding,
     model_shardings,
@@ -74,6 +75,7 @@ __all__ = [
     "model_shardings",
     "shard_model",
     "batch_sharding",
+    "init_optimizer_state",
     "input_layout",
     "implicit_config",
     "pallas_layout_error",

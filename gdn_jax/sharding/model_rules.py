@@ -9,6 +9,7 @@ parallel (``context``) training; :func:`shard_model` places a model's variables 
 from __future__ import annotations
 
 import jax
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -182,3 +183,23 @@ def batch_sharding(mesh: Mesh, rules, rank: int = 2) -> NamedSharding:
     rules = dict(rules)
     spec = (rules.get("batch"), rules.get("length"))[:rank]
     return NamedSharding(mesh, P(*spec, *([None] * (rank - len(spec)))))
+
+
+def init_optimizer_state(tx: optax.GradientTransformation, params, mesh: Mesh | None):
+    """A fresh ``tx`` state for ``params`` laid out as a jitted train step returns it: on
+    ``mesh`` the moments like their parameters and the counters replicated; without a mesh on
+    the device of the (committed) parameters. A step given this state compiles once, where a
+    state from a bare ``jax.jit(tx.init)`` (counters on one device) makes the second step
+    compile again for its inputs' new layout."""
+    if mesh is None:
+        device = next(iter(jax.tree.leaves(params)[0].devices()))
+        layout = jax.sharding.SingleDeviceSharding(device)
+    else:
+        layout = optax.tree_map_params(
+            tx,
+            lambda _, p: p.sharding,
+            jax.eval_shape(tx.init, params),
+            params,
+            transform_non_params=lambda _: NamedSharding(mesh, P()),
+        )
+    return jax.jit(tx.init, out_shardings=layout)(params)
