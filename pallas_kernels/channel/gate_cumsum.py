@@ -113,19 +113,14 @@ def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
         first = lax.axis_index("i") * per
 
         def step(idx, x_s):
-            # each thread reads and overwrites its own column: the sums replace the tile in place.
-            # All 64 rows are read before the first is written, so the loads are independent and
-            # overlap instead of each waiting behind the previous row's store to the same tile.
-            vals = [x_s[r] for r in rows]
+            # each thread reads and overwrites its own column: the sums replace the tile in place
             acc = None
-            sums = []
-            for v in vals:
+            for r in rows:
+                v = x_s[r]
                 if floor is not None:  # NaN > floor is false: NaN and −inf give the floor
                     v = jnp.where(v > floor, jnp.minimum(v, 0.0), floor)
                 acc = v if acc is None else acc + v
-                sums.append(acc)
-            for r, total in zip(rows, sums, strict=True):
-                x_s[r] = total
+                x_s[r] = acc
             plgpu.commit_smem()
             rb, cb = at(first + idx[0])
             plgpu.copy_smem_to_gmem(x_s, y_g.at[pl.ds(rb * CHUNK, CHUNK), pl.ds(cb * COLS, COLS)])

@@ -509,8 +509,8 @@ def gated_operands(k, v, b, w_gate) -> tuple[jax.Array, jax.Array]:
       w_gate: [B, T, HV, V] f32 write gate.
     Returns:
       (bk [B, T, HV, K] = b ⊙ k (k repeated over the value heads of its group),
-      vw [B, T, HV, V] = w_gate ⊙ v), both in k.dtype. vw is the 16-bit operand the kernel would
-      round the product to; bk is rounded once more than L's f32 product of b and k.
+      vw [B, T, HV, V] = w_gate ⊙ v), both in k.dtype: vw is u's right operand as is; bk is
+      rounded to 16 bits before the kernel multiplies it by the decay factors of L and w.
     """
     dt = k.dtype
     group = v.shape[2] // k.shape[2]
