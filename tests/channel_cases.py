@@ -78,11 +78,12 @@ def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, reference=False,
     with q, k, v cast to ``dtype``; gates stay f32. ``kw`` go to ``fn`` (default l2norm on).
 
     ``jit``: run the cached compiled program (:func:`gdn_jax.testing.reference_jit`'s when
-    ``reference``); otherwise eagerly (the interpreter tests)."""
+    ``reference``); without (the interpreter tests) a reference still does, and ``fn`` runs in a
+    program compiled for this call only (see :func:`gdn_cases.compiled`)."""
     kw = dict(dict(use_qk_l2norm=True), **kw)
     dtype = jnp.dtype(dtype)
-    if not jit:
-        return _loss_and_grads(fn, variant, dtype, kw, x, cu, cts)
+    if not (jit or reference):
+        return jax.jit(functools.partial(_loss_and_grads, fn, variant, dtype, kw))(x, cu, cts)
     key = tuple(sorted(kw.items()))
     return _program(fn, variant, dtype, key, reference, pk.execution_mode())(x, cu, cts)
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gdn_cases import cached_jit, run_interpreted
+from gdn_cases import compiled, run_interpreted
 from test_channel_ksplit_dqkw import _shapes as dqkw_shapes
 from test_channel_pallas_bwd import _kernel_refs, kernel_refs
 
@@ -160,11 +160,11 @@ def _compare(tag, got: dict, ref: dict, tol: float):
 
 def check_dqkw(x, out, *, k_split, tol=TOL, jit=True):
     scale = x["q"].shape[-1] ** -0.5
-    run = (cached_jit if jit else functools.partial)(_dqkw, scale=scale, k_split=k_split)
+    run = compiled(_dqkw, jit=jit, scale=scale, k_split=k_split)
     got = run(x, out)
     HV, H = x["v"].shape[2], x["q"].shape[2]
     assert got["dq"].dtype == (f16 if HV == H else f32) and got["dw"].dtype == f16
-    ref = kernel_refs(x, out, scale, jit=jit)
+    ref = kernel_refs(x, out, scale)
     _compare(f"dqkw {k_split=}", got, ref, tol)
 
 
@@ -174,9 +174,9 @@ def wy_names(scalar):
 
 def check_wy(x, out, *, k_split, tol=TOL, jit=True):
     scale = x["q"].shape[-1] ** -0.5
-    got = (cached_jit if jit else functools.partial)(_wy, k_split=k_split)(x, out)
+    got = compiled(_wy, jit=jit, k_split=k_split)(x, out)
     assert got[1].dtype == f16
-    ref = kernel_refs(x, out, scale, jit=jit)
+    ref = kernel_refs(x, out, scale)
     names = wy_names(x["w"] is None)
     _compare(f"wy {k_split=}", dict(zip(names, got, strict=True)), ref, tol)
 

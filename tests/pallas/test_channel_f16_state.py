@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gdn_cases import cached_jit, run_interpreted
+from gdn_cases import compiled, run_interpreted
 from test_channel_intra import _refs as _intra_refs
 
 from gdn_jax.ops import _channel_pallas as cpm
@@ -180,11 +180,11 @@ DH_NAMES = ("dh", "dv2", "dh0")
 
 
 def _ref_fn(fn, jit, **kw):
-    return cached_jit(fn, reference=True, **kw) if jit else functools.partial(fn, **kw)
+    return compiled(fn, jit=jit, reference=True, **kw)
 
 
 def check_fwd(x, h0, scale, *, tol=TOL, block_v=64, jit=True):
-    run = (cached_jit if jit else functools.partial)(run_fwd, scale=scale, block_v=block_v)
+    run = compiled(run_fwd, jit=jit, scale=scale, block_v=block_v)
     ref_fn = _ref_fn(fwd_ref, jit, scale=scale)
     got, ref = run(x, h0), ref_fn(x, h0)
     o, ht, h, vn = got
@@ -194,7 +194,7 @@ def check_fwd(x, h0, scale, *, tol=TOL, block_v=64, jit=True):
 
 
 def check_dh(x, do, dht, scale, *, tol=TOL, block_v=64, jit=True):
-    run = (cached_jit if jit else functools.partial)(run_dh, scale=scale, block_v=block_v)
+    run = compiled(run_dh, jit=jit, scale=scale, block_v=block_v)
     ref_fn = _ref_fn(dh_ref, jit, scale=scale)
     got, ref = run(x, do, dht), ref_fn(x, do, dht)
     _compare("bwd_dh f16", DH_NAMES, got, ref, tol)

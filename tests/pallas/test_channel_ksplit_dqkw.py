@@ -15,7 +15,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from gdn_cases import cached_jit, run_interpreted
+from gdn_cases import compiled, run_interpreted
 from test_channel_pallas_bwd import _kernel_inputs, kernel_refs
 
 from gdn_jax.testing import rel_rms
@@ -55,15 +55,12 @@ def check_ksplit(x, *, tol_split, tol_ref, jit=True):
     x = dict(x)
     scale = x.pop("cfg").scale
     dh, dvh, dvl = _dh(x, scale)
-    run_s, run_u = (
-        (cached_jit if jit else functools.partial)(_dqkw, scale=scale, k_split=s)
-        for s in (True, False)
-    )
+    run_s, run_u = (compiled(_dqkw, jit=jit, scale=scale, k_split=s) for s in (True, False))
     split = run_s(x, dh, dvh, dvl)
     plain = run_u(x, dh, dvh, dvl)
     # _kernel_refs forms every backward kernel's reference; bwd_dqkw's read dh and dv2 (and
     # the bwd_wy part reads dw, given the split kernel's here)
-    ref = kernel_refs(x, dict(dh=dh, dvh=dvh, dvl=dvl, dwk=split["dwk"]), scale, jit=jit)
+    ref = kernel_refs(x, dict(dh=dh, dvh=dvh, dvl=dvl, dwk=split["dwk"]), scale)
     HV = x["v"].shape[2]
     assert split["dq"].dtype == (x["q"].dtype if HV == x["q"].shape[2] else f32)
     report, bad = [], []

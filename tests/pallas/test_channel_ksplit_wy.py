@@ -9,12 +9,10 @@ the helpers of ``test_channel_pallas_bwd``.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import pytest
-from gdn_cases import cached_jit, run_interpreted
+from gdn_cases import compiled, run_interpreted
 from test_channel_pallas_bwd import (
     _kernel_inputs,
     _kernel_outputs,
@@ -47,8 +45,8 @@ def check_split(x, *, tol: float, jit: bool = True):
     scale = x.pop("cfg").scale
     scalar = x["w"] is None
     out = _kernel_outputs(x, scale)  # bwd_dh, bwd_dqkw, unsplit bwd_wy
-    got = (cached_jit if jit else functools.partial)(_split_wy)(x, out)
-    ref = kernel_refs(x, out, scale, jit=jit)
+    got = compiled(_split_wy, jit=jit)(x, out)
+    ref = kernel_refs(x, out, scale)
     report, bad = [], []
     for name, mine, unsplit in zip(_names(scalar), got, out["wy"], strict=True):
         assert mine.shape == unsplit.shape and mine.dtype == unsplit.dtype, name

@@ -96,10 +96,9 @@ def check_core(cfg, res, cts, *, floor=1e-2, jit=True, whole=False):
     the state gradient and dv2 through bf16 tensor-core operands (each rounding 2^-9 relative),
     hence the floor. The op-level tests apply the strict 2x rule against the recurrent oracle."""
     up = lambda x: None if x is None else x.astype(f32)
-    if jit:
-        xla_vjp, mine = _core_programs(cfg, whole)
-    else:
-        xla_vjp, mine = _core_fns(cfg, whole)
+    xla_vjp, mine = _core_programs(cfg, whole)
+    if not jit:  # the kernels' interpreter callbacks: a program for this call only
+        mine = jax.jit(_core_fns(cfg, whole)[1])
     ref32 = xla_vjp(tuple(up(x) for x in res), cts)
     ref_lo = xla_vjp(res, cts)
     with pk.use_mode(cfg.mode):
@@ -146,7 +145,7 @@ def test_interpret_op_grads(variant, B, T, H, HV, cu):
     run_interpreted(lambda: check_op(variant, x, cu, cts, jit=False))
 
 
-def check_one_lane(variant, T, H, HV, cu, K, seed=0, jit=True):
+def check_one_lane(variant, T, H, HV, cu, K, seed=0):
     """Packed sequences without initial/final states (one lane, state wiped at every sequence
     start): every gradient against the f32 recurrent oracle, 2x rule."""
     from gdn_cases import positional
@@ -166,8 +165,7 @@ def check_one_lane(variant, T, H, HV, cu, K, seed=0, jit=True):
         args = positional(x, variant)
         args = tuple(a.astype(dt) for a in args[:3]) + tuple(args[3:])
         g = jax.value_and_grad(loss, has_aux=True)  # inputs and do as arguments (no constants)
-        if jit:
-            g = reference_jit(g) if reference else jax.jit(g)
+        g = reference_jit(g) if reference else jax.jit(g)
         (_, o), grads = g(args, do)
         return (o, *grads)
 
@@ -183,7 +181,7 @@ def test_interpret_packed_one_lane(variant):
     """Two chunks, the last one partial: an empty sequence, a sequence across the chunk boundary
     and one starting in the second chunk (its start wipes the state carried in)."""
     cu = [0, 30, 30, 100, 120]
-    run_interpreted(lambda: check_one_lane(variant, 120, 1, 2, cu, 64, jit=False))
+    run_interpreted(lambda: check_one_lane(variant, 120, 1, 2, cu, 64))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,12 +405,10 @@ def _kernel_refs(x, out, scale):
     return ref
 
 
-def kernel_refs(x, out, scale, *, jit=True):
+def kernel_refs(x, out, scale):
     """:func:`_kernel_refs` on the kernel outputs it reads (dh, dv2 hi/lo, dw), compiled as a
     reference once per scale and input shapes (shared by the per-kernel tests of a process)."""
     out = {name: out[name] for name in ("dh", "dvh", "dvl", "dwk")}
-    if not jit:
-        return _kernel_refs(x, out, scale)
     return cached_jit(_kernel_refs, reference=True, scale=scale)(x, out)
 
 
@@ -421,7 +417,7 @@ def check_kernels(x, *, tol=2e-2, jit=True, k_split=False):
     x = dict(x)
     scale = x.pop("cfg").scale
     out = _kernel_outputs(x, scale, k_split)
-    ref = kernel_refs(x, out, scale, jit=jit)
+    ref = kernel_refs(x, out, scale)
     wy = out["wy"]
     got = dict(dh=out["dh"], dv2=out["dvh"].astype(f32) + out["dvl"].astype(f32), dh0=out["dh0"],
                dq=out["dq"], dk=out["dk"], dw=out["dwk"])  # fmt: skip

@@ -36,10 +36,6 @@ from pallas_kernels.gdn.fake_quant import fake_quant_e4m3_tiles
 from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
 
 f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
-KERNELS = (
-    "chan_intra_wy", "chan_intra_qk", "chan_chunk_fwd", "chan_chunk_h", "chan_bwd_dh",
-    "chan_bwd_dqkw", "chan_bwd_wy",
-)  # fmt: skip
 # lengths 0, 1, 79, 0, 20, 0: empty sequences first, inside and last, a one-token sequence
 CU = [0, 0, 1, 80, 80, 100, 100]
 
@@ -104,14 +100,6 @@ def test_interpret_tiled_fake_quant_is_bitwise_the_qat_definition():
         assert np.array_equal(got, _fq_exact(x, axes)), groups
 
 
-# The other two (variant, config) pairs run in test_interpret_packed_states_with_qat.
-@pytest.mark.parametrize("variant,name", [("kda", "matrix_tile"), ("gdn2", "column_row")])
-def test_interpret_pallas_matches_xla_with_qat(variant, name):
-    """Forward, final state and every gradient; GVA, a partial last chunk, an initial state."""
-    x, cu, cts = channel_case(0, variant, 1, 100, 1, 2, 64, 64, gate_scale=0.05)
-    run_interpreted(lambda: check_qat_2x(variant, x, cu, cts, CONFIGS[name]))
-
-
 def _quantised_products(variant, K, sq, wq):
     """w from the intra kernel with ``w_quant=wq`` and h from the state loop's recomputation
     (``store_h``) with ``state_quant=sq`` (None: off), on a two-chunk core case with V = K."""
@@ -126,8 +114,7 @@ def _quantised_products(variant, K, sq, wq):
     return wk.reshape(1, 2, 64, 2, K), h
 
 
-@pytest.mark.parametrize("K", [64, 128])
-@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+@pytest.mark.parametrize("variant,K", [("kda", 128), ("gdn2", 64)])
 def test_interpret_kernels_quantise_w_and_the_state_per_group(variant, K):
     """The intra kernel stores w and the recomputation kernel the chunk-entering states h on the
     e4m3 grid of exactly the configured groups (not on that of the other granularity), and
@@ -175,7 +162,9 @@ def test_interpret_k128_with_qat(variant, name, K, V):
 @pytest.mark.parametrize("variant,name", [("gdn2", "column_row"), ("kda", "matrix_tile")])
 def test_interpret_f16_with_qat(variant, name):
     """f16 io: the quantised state staged with per-column scales, h stored in f32; budget the xla
-    path in f16 (V = 64: 'matrix' is served)."""
+    path in f16 (V = 64: 'matrix' is served). Forward, final state and every gradient on dense
+    lanes with GVA, a partial last chunk and an initial state, for the two (variant, config)
+    pairs that the packed and K = 128 tests above do not run."""
     x, cu, cts = channel_case(2, variant, 1, 100, 1, 2, 64, 64, gate_scale=0.05)
     run_interpreted(lambda: check_qat_2x(variant, x, cu, cts, CONFIGS[name], f16))
 
@@ -322,21 +311,48 @@ LOWERING = [
     ("kda", "matrix_tile", 64, 128, "bfloat16"),
     ("gdn2", "matrix_tile", 128, 128, "bfloat16"),
 ]
+QAT_KERNELS = ("chan_intra_wy", "chan_intra_qk", "chan_chunk_fwd", "chan_chunk_h")
 
 
 @pytest.mark.parametrize("variant,name,K,V,dtype", LOWERING)
 def test_lowers_for_cuda_with_qat(variant, name, K, V, dtype):
-    """fwd+bwd of the op with QAT lowers every kernel for the GPU (Mosaic GPU checks layouts and
-    the shared-memory budget while lowering); packed sequences with states (the per-sequence
-    table) wherever the plan serves them, dense lanes otherwise."""
+    """The kernels QAT changes lower for the GPU (Mosaic GPU checks layouts, the fp8 casts and the
+    shared-memory budget while lowering): the op's forward (the intra kernel with w's fake quant,
+    the state loop with the state's) and the backward's recomputation of h with the same plan;
+    packed sequences with states (the per-sequence table) wherever the plan serves them, dense
+    lanes otherwise. The other backward kernels do not change with QAT
+    (test_forward_and_backward_kernels_get_the_qat_config); test_channel_pallas.py lowers them."""
+    from gdn_jax.ops._channel_pallas import ChannelConfig, core_plan
+    from pallas_kernels._tiles import META_COLS
+
     packed = not (name == "matrix_tile" and V == 128)
-    n = 3 if packed else 2
-    xs, h0 = _op_args(variant, 1 if packed else 2, 200, 2, 4, K, V, jnp.dtype(dtype), n)
+    n, dt = (3 if packed else 2), jnp.dtype(dtype)
+    xs, h0 = _op_args(variant, 1 if packed else 2, 200, 2, 4, K, V, dt, n)
     extra = (jax.ShapeDtypeStruct((n + 1,), jnp.int32),) if packed else ()
-    f = _fwd_bwd(pallas_op(variant), qat=CONFIGS[name])
+    cfg = CONFIGS[name]
+
+    def forward(xs, h0, *cu):
+        return pallas_op(variant)(
+            *xs, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
+            cu_seqlens=cu[0] if cu else None, qat=cfg,
+        )  # fmt: skip
+
+    # the backward's recomputation of h on the core's lanes: 6 chunks (200 rows, 3 sequences)
+    S = jax.ShapeDtypeStruct
+    N, nt = (1, 6) if packed else (2, 4)
+    x = lambda d: S((N, nt * 64, 4, d), dt)  # noqa: E731
+    ccfg = ChannelConfig(scale=1.0, mode="gpu", qat=cfg, scalar_beta=variant == "kda")
+    fcfg = core_plan(ccfg, x(K), x(V), store_a=True).fwd_config(1.0, store_h=True)
+    meta = (S((nt, META_COLS), jnp.int32),) if packed else ()
+
+    def recompute_h(kg, w, u, egl, h0, *meta):
+        return channel_chunk_fwd(None, kg, w, u, None, egl, h0, fcfg, *meta)
+
     with pk.cuda_lowering_mesh():
-        txt = jax.jit(f).trace(xs, h0, *extra).lower(lowering_platforms=("cuda",)).as_text()
-    assert lowered_kernels(txt, KERNELS) == set(KERNELS)
+        txt = jax.jit(forward).trace(xs, h0, *extra).lower(lowering_platforms=("cuda",)).as_text()
+        args = (x(K), x(K), x(V), S((N, 4, nt, K), f32), S((n, 4, K, V), f32), *meta)
+        txt += jax.jit(recompute_h).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered_kernels(txt, QAT_KERNELS) == set(QAT_KERNELS)
 
 
 def test_matrix_state_scale_needs_the_whole_state_in_one_cta():
