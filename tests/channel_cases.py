@@ -9,10 +9,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gdn_cases import OPS, RECURRENT, positional
+from gdn_cases import OPS, RECURRENT, cached_jit, compiled, positional
 
-from gdn_jax.testing import check_2x, random_inputs, reference_jit
-from pallas_kernels import _compat as pk
+from gdn_jax.testing import check_2x, random_inputs
 
 # names of loss_and_grads' outputs: o, final state, then d(positional args), dh0
 NAMES = {
@@ -49,12 +48,12 @@ def pallas_op(variant):
     return fn
 
 
-def _loss_and_grads(fn, variant, dtype, kw, x, cu, cts):
+def _loss_and_grads(x, cu, cts, *, op, variant, dtype, kw):
     # cotangents and cu_seqlens are arguments, not closure constants: XLA would constant-fold
-    # transposes of large constants (slow compiles)
+    # transposes of large constants (slow compiles); kw: op's keyword arguments as sorted items
     def loss(args, h0, cts, cu):
         do, dht = cts
-        o, s = fn(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
+        o, s = op(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, **dict(kw))
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * dht), (o, s)
 
     args = positional(x, variant)
@@ -64,28 +63,19 @@ def _loss_and_grads(fn, variant, dtype, kw, x, cu, cts):
     return (o, s, *dargs, dh0)
 
 
-@functools.cache
-def _program(fn, variant, dtype, kw, reference, mode):
-    """One compiled fwd+bwd per (fn, variant, io dtype, kwargs, kernel mode) and input shapes:
-    every test of a process with the same case shapes reuses it."""
-    del mode  # a key only: kernels traced under another execution mode are another program
-    run = functools.partial(_loss_and_grads, fn, variant, dtype, dict(kw))
-    return reference_jit(run) if reference else jax.jit(run)
-
-
 def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, reference=False, **kw):
     """(o, final state, *grads of Σ o·do + Σ final·dfinal w.r.t. the positional args and h0),
     with q, k, v cast to ``dtype``; gates stay f32. ``kw`` go to ``fn`` (default l2norm on).
 
-    ``jit``: run the cached compiled program (:func:`gdn_jax.testing.reference_jit`'s when
-    ``reference``); without (the interpreter tests) a reference still does, and ``fn`` runs in a
-    program compiled for this call only (see :func:`gdn_cases.compiled`)."""
-    kw = dict(dict(use_qk_l2norm=True), **kw)
-    dtype = jnp.dtype(dtype)
-    if not (jit or reference):
-        return jax.jit(functools.partial(_loss_and_grads, fn, variant, dtype, kw))(x, cu, cts)
-    key = tuple(sorted(kw.items()))
-    return _program(fn, variant, dtype, key, reference, pk.execution_mode())(x, cu, cts)
+    One compiled fwd+bwd: a ``reference`` (:func:`gdn_jax.testing.reference_jit`'s) and, with
+    ``jit``, ``fn`` run the program shared by every test of a process with the same case shapes;
+    without ``jit`` (the interpreter tests) ``fn`` runs in one compiled for this call only
+    (:func:`gdn_cases.compiled`)."""
+    kw = tuple(sorted(dict(dict(use_qk_l2norm=True), **kw).items()))
+    case = dict(op=fn, variant=variant, dtype=jnp.dtype(dtype), kw=kw)
+    if reference:
+        return cached_jit(_loss_and_grads, reference=True, **case)(x, cu, cts)
+    return compiled(_loss_and_grads, jit=jit, **case)(x, cu, cts)
 
 
 def check_channel_2x(variant, fn, x, cu, cts, dtype, *, floor=1e-5, names=None, jit=True):

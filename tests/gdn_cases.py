@@ -74,15 +74,13 @@ def cached_jit(fn, *, reference: bool = False, **kw):
     return _cached_jit(fn, reference, tuple(sorted(kw.items())), pk.execution_mode())
 
 
-def compiled(fn, *, jit: bool, reference: bool = False, **kw):
-    """``functools.partial(fn, **kw)`` compiled. ``jit`` (the GPU tests): :func:`cached_jit`'s
-    program, shared by the tests of a process. Without (the interpreter tests): a ``reference``
-    (no kernels in it) still gets the shared program; anything else a program compiled for this
-    call only, since the interpreted kernels' callbacks belong to the interpreter state of one
-    :func:`run_interpreted` (reset when it ends)."""
-    if jit or reference:
-        return cached_jit(fn, reference=reference, **kw)
-    return jax.jit(functools.partial(fn, **kw))
+def compiled(fn, *, jit: bool, **kw):
+    """``functools.partial(fn, **kw)`` compiled, for a function that runs the kernels. ``jit``
+    (the GPU tests): :func:`cached_jit`'s program, shared by the tests of a process. Without (the
+    interpreter tests): a program compiled for this call only, since the interpreted kernels'
+    callbacks belong to the interpreter state of one :func:`run_interpreted` (reset when it
+    ends). References have no kernels: they always take :func:`cached_jit`'s program."""
+    return cached_jit(fn, **kw) if jit else jax.jit(functools.partial(fn, **kw))
 
 
 @functools.cache

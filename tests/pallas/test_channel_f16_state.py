@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gdn_cases import compiled, run_interpreted
+from gdn_cases import cached_jit, compiled, run_interpreted
 from test_channel_intra import _refs as _intra_refs
 
 from gdn_jax.ops import _channel_pallas as cpm
@@ -179,13 +179,9 @@ FWD_NAMES = ("o", "final", "h", "v_new")
 DH_NAMES = ("dh", "dv2", "dh0")
 
 
-def _ref_fn(fn, jit, **kw):
-    return compiled(fn, jit=jit, reference=True, **kw)
-
-
 def check_fwd(x, h0, scale, *, tol=TOL, block_v=64, jit=True):
     run = compiled(run_fwd, jit=jit, scale=scale, block_v=block_v)
-    ref_fn = _ref_fn(fwd_ref, jit, scale=scale)
+    ref_fn = cached_jit(fwd_ref, reference=True, scale=scale)
     got, ref = run(x, h0), ref_fn(x, h0)
     o, ht, h, vn = got
     assert (o.dtype, ht.dtype, h.dtype, vn.dtype) == (f16, f32, f32, f16)
@@ -195,7 +191,7 @@ def check_fwd(x, h0, scale, *, tol=TOL, block_v=64, jit=True):
 
 def check_dh(x, do, dht, scale, *, tol=TOL, block_v=64, jit=True):
     run = compiled(run_dh, jit=jit, scale=scale, block_v=block_v)
-    ref_fn = _ref_fn(dh_ref, jit, scale=scale)
+    ref_fn = cached_jit(dh_ref, reference=True, scale=scale)
     got, ref = run(x, do, dht), ref_fn(x, do, dht)
     _compare("bwd_dh f16", DH_NAMES, got, ref, tol)
     return ref
@@ -230,12 +226,12 @@ def check_large_state(x, xb, h0, dht, do, scale, *, tol=TOL, jit=True):
     ref = check_fwd(x, h0, scale, tol=tol, jit=jit)
     assert float(jnp.max(jnp.abs(ref[2]))) > 2 * F16_MAX  # h: the staged operand
     assert 1.0 < float(jnp.max(jnp.abs(ref[0]))) < F16_MAX  # o: not negligible, fits f16
-    plain = _ref_fn(fwd_ref, jit, scale=scale, plain_f16=True)(x, h0)
+    plain = cached_jit(fwd_ref, reference=True, scale=scale, plain_f16=True)(x, h0)
     assert not rel_rms(plain[0], ref[0]) <= tol  # o through plain f16 staging
     rdh = check_dh(xb, do, dht, scale, tol=tol, jit=jit)
     assert float(jnp.max(jnp.abs(rdh[0]))) > 2 * F16_MAX
     assert 1.0 < float(jnp.max(jnp.abs(rdh[1]))) < F16_MAX  # dv2 fits f16
-    plain = _ref_fn(dh_ref, jit, scale=scale, plain_f16=True)(xb, do, dht)
+    plain = cached_jit(dh_ref, reference=True, scale=scale, plain_f16=True)(xb, do, dht)
     assert not rel_rms(plain[1], rdh[1]) <= tol  # dv2 through plain f16 staging
 
 

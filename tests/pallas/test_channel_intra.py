@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gdn_cases import compiled, run_interpreted
+from gdn_cases import cached_jit, compiled, run_interpreted
 from test_channel_ksplit_dqkw import SMEM_TWO_CTAS, _smem_limit
 from test_channel_pallas_bwd import _chunks, _explicit, _rep, _unchunk, core_case
 
@@ -75,7 +75,7 @@ def _refs(args):
 def check_intra(args, *, tol, jit=True):
     """Every output finite and within ``tol`` relative RMS of the formulas (the 16-bit operand
     and output roundings: ~3e-3 measured for bf16)."""
-    run, refs = compiled(_intra, jit=jit), compiled(_refs, jit=jit, reference=True)
+    run, refs = compiled(_intra, jit=jit), cached_jit(_refs, reference=True)
     got, ref = run(args), refs(args)
     report, bad = [], []
     for name in OUTS:
