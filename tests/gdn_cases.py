@@ -3,12 +3,14 @@ and the loss used to check every gradient under random cotangents."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import gdn_jax
 from gdn_jax import reference
@@ -95,3 +97,51 @@ def lowered_kernels(txt: str, names) -> set[str]:
     kernel's symbol sits NUL-delimited inside the serialized module of its custom call)."""
     calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
     return {name for ln in calls for name in names if re.search(rf"\\00{name}\\00", ln)}
+
+
+def smem_per_cta(ctas: int) -> int:
+    """Shared memory bytes per CTA when ``ctas`` CTAs share one Hopper SM (228 KB, 1 KB of it
+    reserved per CTA)."""
+    return (228 - ctas) * 1024 // ctas
+
+
+def _mosaic_core():
+    from jax.experimental.mosaic.gpu import core
+
+    return core
+
+
+def smem_limit(limit: int):
+    """Mosaic GPU's test hook bounding the shared memory a kernel may use when it lowers (jax
+    0.11.2: ``artificial_shared_memory_limit``); the test is skipped where JAX lacks it."""
+    hook = getattr(_mosaic_core(), "artificial_shared_memory_limit", None)
+    if hook is None:
+        pytest.skip("this JAX has no artificial_shared_memory_limit")
+    return hook(limit)
+
+
+@contextlib.contextmanager
+def kernel_smem():
+    """Records ``{kernel name: shared memory bytes per CTA}`` of every Mosaic GPU kernel lowered
+    inside the block (the largest, for a kernel lowered more than once), by Mosaic GPU's own
+    count: the one its "exceeds available shared memory" check compares (jax 0.11.2: the
+    ``smem_buffers`` of ``core._launch``, sized by ``core._smem_tree_size``; the test is skipped
+    where JAX lacks them)."""
+    core = _mosaic_core()
+    launch, size = getattr(core, "_launch", None), getattr(core, "_smem_tree_size", None)
+    if launch is None or size is None:
+        pytest.skip("this JAX's Mosaic GPU has no _launch / _smem_tree_size to read")
+    found: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def recording(token, grid, cluster, block, smem_buffers, semantics, module, *a, **kw):
+        name = str(module.operation.attributes["sym_name"]).strip('"')  # a quoted MLIR string
+        found[name] = max(found.get(name, 0), size(smem_buffers))
+        with launch(token, grid, cluster, block, smem_buffers, semantics, module, *a, **kw) as r:
+            yield r
+
+    core._launch = recording
+    try:
+        yield found
+    finally:
+        core._launch = launch

@@ -234,8 +234,8 @@ def _dqkw_ksplit_body(
         peak:    always + phase 2 = 97.25 KiB + alignment padding
 
     Mosaic's count when lowering (bf16, with its alignment): 102488 B, against
-    226392 B for :func:`_dqkw_body`; tests/pallas/test_channel_ksplit_dqkw.py checks that it stays
-    within half an SM.
+    226392 B for :func:`_dqkw_body`; tests/pallas/test_channel_pallas.py::test_lowers_for_cuda
+    checks that it stays within half an SM.
 
     f16 io: the operand tiles and dP are bf16, plus dP lo 8 KiB and the state row scales
     [2, 64] f32 (always: 56.5 KiB); h is staged before phase 1 and dh between phases 1 and 2,

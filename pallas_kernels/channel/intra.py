@@ -245,8 +245,8 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                  bk [C, 64] 8192 (GDN2)               GDN2 33 792 / KDA 25 632
 
     Peak (always + L pass): 99 440 B (GDN2) / 91 496 B (KDA), under half an SM (228 KiB,
-    1 KiB reserved per CTA), so two CTAs share an SM (tests/pallas/test_channel_intra.py lowers
-    it under that limit).
+    1 KiB reserved per CTA), so two CTAs share an SM (tests/pallas/test_channel_pallas.py::
+    test_lowers_for_cuda checks each kernel's count against its plan's budget).
 
     f16 io: the L operands are bf16 hi/lo pairs, four [C, 64] bf16 tiles (32 768 B) in each
     pass's scope (the f16 staging tiles cannot hold bf16). To stay under half an SM, the

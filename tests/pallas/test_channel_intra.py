@@ -4,34 +4,25 @@ Two kernels, one CTA each per (chunk, value head): ``chan_intra_wy`` forms L →
 ``chan_intra_qk`` Aqk, qg, kg, with the
 decay of L and Aqk factored per 16-column block (one 64 × 16 × K product per block). Checked
 against the stage's formulas in f32 jnp (:func:`gdn_jax.reference.chunked.intra_chunk` for A, w,
-u; explicit pairwise decays for Aqk) at random, strong random and clamp-strength decays; the
-CUDA lowering is checked on CPU, including the shared-memory budgets (two wy CTAs, three qk CTAs
-per SM).
+u; explicit pairwise decays for Aqk) at random, strong random and clamp-strength decays. Their
+CUDA lowering and shared-memory budgets (two wy CTAs, three bf16 qk CTAs per SM) are checked with
+the op's in test_channel_pallas.py::test_lowers_for_cuda.
 """
 
 from __future__ import annotations
-
-import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gdn_cases import cached_jit, compiled, run_interpreted
-from test_channel_ksplit_dqkw import SMEM_TWO_CTAS, _smem_limit
 from test_channel_pallas_bwd import _chunks, _explicit, _rep, _unchunk, core_case
 
 from gdn_jax.reference.chunked import intra_chunk
 from gdn_jax.testing import rel_rms
-from pallas_kernels import _compat as pk
-from pallas_kernels._tiles import per_chunk_kernel
-from pallas_kernels.channel import intra
 from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
 
 f32 = jnp.float32
-# Three CTAs per SM: 228 KiB of shared memory per SM, of which 1 KiB per CTA is reserved.
-SMEM_THREE_CTAS = (228 - 3) * 1024 // 3
 OUTS = ("qg", "kg", "w", "u", "aqk", "A")  # channel_intra's outputs (A with store_a), in order
 
 
@@ -151,62 +142,6 @@ def test_config_validates():
         ChannelIntraConfig(scalar_beta=1)
     with pytest.raises(TypeError, match="store_a"):
         ChannelIntraConfig(store_a=None)
-
-
-# ------------------------------------------------------------------------------------------------
-# CPU: the real GPU lowering (layout inference, wgmma operand checks, the SMEM budget)
-
-
-def _shapes(B, T, H, HV, K, dt, scalar, V=None):
-    """ShapeDtypeStructs of channel_intra's inputs (V defaults to K)."""
-    S, V = jax.ShapeDtypeStruct, K if V is None else V
-    gates = (S((B, HV, T), f32), None) if scalar else (S((B, T, HV, K), f32), S((B, T, HV, V), f32))
-    return (S((B, T, H, K), dt), S((B, T, H, K), dt), S((B, T, HV, V), dt),
-            S((B, T, HV, K), f32), *gates)  # fmt: skip
-
-
-def _lower(cfg, dt, K=128):
-    f = lambda *a: channel_intra(*a, cfg)  # noqa: E731
-    args = _shapes(1, 192, 2, 4, K, dt, cfg.scalar_beta)
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-# f16 with store_a at K = V = 128: test_channel_f16_intra.py::test_f16_lowers_for_cuda
-@pytest.mark.parametrize(
-    "dt,store_a", [(jnp.bfloat16, False), (jnp.bfloat16, True), (jnp.float16, False)]
-)
-@pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_lowers_for_cuda(variant, store_a, dt):
-    """Lowers with at most half an SM's shared memory per CTA (two CTAs per SM)."""
-    cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=store_a)
-    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
-        txt = _lower(cfg, dt)
-    assert _kernel_names(txt) == ["chan_intra_wy", "chan_intra_qk"]
-
-
-def _kernel_names(txt: str) -> list[str]:
-    """The names of the Mosaic GPU kernels in lowered text ``txt``, in order."""
-    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
-    return [re.search(r"\\00(chan_intra_\w+?)\\00", ln).group(1) for ln in calls]
-
-
-@pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_qk_kernel_fits_three_ctas(variant):
-    """bf16 io: the qk kernel lowers within a third of an SM's shared memory per CTA (three CTAs
-    per SM), the reason it is a kernel of its own; the wy kernel needs more than that."""
-    S, K = jax.ShapeDtypeStruct, 128
-    q = S((1, 192, 2, K), jnp.bfloat16)
-    G = S((1, 192, 4, K), f32)
-    gr, gl = S((1, 4, 12, K), f32), S((1, 4, 3, K), f32)
-    qk = functools.partial(intra._qk_body, group=2)
-    outs = (S((1, 192, 4, K), jnp.bfloat16),) * 2 + (S((1, 192, 4, 64), jnp.bfloat16),)
-    fn = per_chunk_kernel(qk, outs, chunks=3, HV=4, B=1, name="chan_intra_qk")
-    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_THREE_CTAS):
-        jax.jit(fn).trace(q, q, G, gr, gl).lower(lowering_platforms=("cuda",))
-    cfg = ChannelIntraConfig(scalar_beta=variant == "kda", store_a=True)
-    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_THREE_CTAS):
-        with pytest.raises(ValueError, match="exceeds available shared memory"):
-            _lower(cfg, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------

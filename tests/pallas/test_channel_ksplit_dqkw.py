@@ -3,19 +3,19 @@
 Two CTAs per (chunk, value head), each computing one 64-column half of K = 128. Checked against
 the one-CTA form on the same inputs (the maths is the same per key column, so they agree to f32
 accumulation order and 16-bit output rounding) and against the jnp formulas of
-:func:`test_channel_pallas_bwd._kernel_refs`; the CUDA lowering is checked on CPU, including the
-shared-memory budget that lets two CTAs share an SM.
+:func:`test_channel_pallas_bwd._kernel_refs`. Its CUDA lowering within the shared memory of two CTAs
+per SM is checked with the op's (test_channel_pallas.py::test_lowers_for_cuda); here, that the
+one-CTA form does not fit there.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import pytest
-from gdn_cases import compiled, run_interpreted
+from gdn_cases import compiled, run_interpreted, smem_limit, smem_per_cta
 from test_channel_pallas_bwd import _kernel_inputs, kernel_refs
 
 from gdn_jax.testing import rel_rms
@@ -27,7 +27,6 @@ f32 = jnp.float32
 OUTS = ("dq", "dk", "dwk", "dG")  # channel_bwd_dqkw's outputs, in order
 REF = {"dq": "dq", "dk": "dk", "dwk": "dw", "dG": "dG(qk)"}  # their names in _kernel_refs
 # Two CTAs per SM: 228 KiB of shared memory per SM, of which 1 KiB per CTA is reserved.
-SMEM_TWO_CTAS = (228 - 2) * 1024 // 2
 
 
 def _dh(x, scale):
@@ -127,34 +126,12 @@ def _shapes(B, T, H, HV, K, dt, V=None, state_dt=None):
     )  # fmt: skip
 
 
-def _smem_limit(limit):
-    """Mosaic GPU's own test hook bounding the shared memory a kernel may use when it lowers
-    (jax 0.11.2); the check is skipped where a JAX version lacks it."""
-    from jax.experimental.mosaic.gpu import core
-
-    hook = getattr(core, "artificial_shared_memory_limit", None)
-    if hook is None:
-        pytest.skip("this JAX has no artificial_shared_memory_limit")
-    return hook(limit)
-
-
-@pytest.mark.parametrize("H,HV", [(2, 2), (2, 4)])
-@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
-def test_ksplit_lowers_for_cuda(H, HV, dt):
-    """Lowers with at most half an SM's shared memory per CTA (two CTAs per SM)."""
-    f = functools.partial(channel_bwd_dqkw, scale=0.125, k_split=True)
-    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
-        txt = jax.jit(f).trace(*_shapes(1, 192, H, HV, 128, dt)).lower(
-            lowering_platforms=("cuda",)
-        ).as_text()  # fmt: skip
-    calls = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln]
-    assert len(calls) == 1 and re.search(r"\\00chan_bwd_dqkw\\00", calls[0]), len(calls)
-
-
 def test_unsplit_needs_a_whole_sm():
-    """The reason for the split: the one-CTA form does not fit in half an SM at K = 128."""
+    """The reason for the split: the one-CTA form does not fit in half an SM at K = 128 (the
+    K-split form does: test_channel_pallas.py::test_lowers_for_cuda checks each planned form's
+    budget)."""
     f = functools.partial(channel_bwd_dqkw, scale=0.125)
-    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
+    with pk.cuda_lowering_mesh(), smem_limit(smem_per_cta(2)):
         with pytest.raises(ValueError, match="exceeds available shared memory"):
             jax.jit(f).trace(*_shapes(1, 128, 1, 1, 128, jnp.bfloat16)).lower(
                 lowering_platforms=("cuda",)

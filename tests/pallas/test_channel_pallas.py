@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from channel_cases import NAMES, channel_case, check_channel_2x, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT, lowered_kernels, run_interpreted
+from gdn_cases import RECURRENT, kernel_smem, lowered_kernels, run_interpreted, smem_per_cta
 from test_channel_packed_states import check_one_lane
 
 import gdn_jax
 from gdn_jax.ops._channel_pallas import CHANNEL_PALLAS, channel_pallas
 from gdn_jax.testing import check_2x, random_inputs, rel_rms
 from pallas_kernels import _compat as pk
+from pallas_kernels.channel.plan import channel_plan
 
 # every kernel, forward and backward, must appear as a Mosaic GPU custom call in the lowered
 # fwd+bwd
@@ -77,6 +78,22 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, SMEM budget)
 
 
+def planned_ctas(name: str, plan, dtype) -> int:
+    """CTAs per SM that kernel ``name`` is sized for under ``plan``
+    (:mod:`pallas_kernels.channel.plan`): two for the intra kernels, the gate cumsum and the
+    K-split / phased backward forms, three for bf16's qk kernel (the reason it is a kernel of its
+    own); one for the state loops and the one-CTA backward forms."""
+    if name == "chan_intra_qk" and jnp.dtype(dtype) == jnp.bfloat16:
+        return 3
+    if name in ("chan_intra_wy", "chan_intra_qk", "gate_cumsum", "gate_cumsum_rev"):
+        return 2
+    if name == "chan_bwd_dqkw":
+        return 1 if plan.dqkw == "one_cta" else 2
+    if name == "chan_bwd_wy":
+        return 2 if plan.wy_split else 1
+    return 1
+
+
 # Every pair of (variant, K, V, dtype, packed) values in six cases (a pairwise covering array),
 # each variant with 2 and 4 value heads.
 @pytest.mark.parametrize(
@@ -89,7 +106,9 @@ def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
     """fwd+bwd of the op with initial and final states lowers every kernel for the GPU:
     packed sequences on one lane (the chunk loops driven by the sequence table; the lane's rows,
     table and state rows checked by test_channel_packed_states.check_one_lane) or a dense batch
-    of two rows (the loops without the table)."""
+    of two rows (the loops without the table), and then also the forward alone (the intra
+    kernels without A stored). Each kernel fits the shared memory of the CTAs per SM its plan
+    sizes it for (:func:`planned_ctas`), by Mosaic GPU's own count."""
     B, T, H = (1 if packed else 2), 200, 2
     S, bf, f = jax.ShapeDtypeStruct, jnp.dtype(dtype), jnp.float32
     gates = (S((B, T, HV, K), f), S((B, T, HV, K), f), S((B, T, HV, V), f))
@@ -111,12 +130,22 @@ def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
 
         return jax.value_and_grad(loss, argnums=(0, 1))(tuple(xs), h0)
 
-    with pk.cuda_lowering_mesh():
+    with pk.cuda_lowering_mesh(), kernel_smem() as smem:
         txt = jax.jit(f).trace(*args, cu=cu).lower(lowering_platforms=("cuda",)).as_text()
+        trained = dict(smem)
+        if not packed:
+            fwd = jax.jit(lambda *a: op(*a[:-1], use_qk_l2norm=True)[0])
+            fwd.trace(*args).lower(lowering_platforms=("cuda",))
     found = lowered_kernels(txt, KERNELS)
     assert found == set(KERNELS), found
+    assert set(trained) == set(KERNELS), trained
     if packed:
         check_one_lane(txt, T, 3, HV, K, V)
+    plan = channel_plan(bf, K, V, scalar_beta=variant == "kda", store_a=True)
+    over = {n: b for n, b in smem.items() if b > smem_per_cta(planned_ctas(n, plan, bf))}
+    assert not over, (over, plan)
+    if bf == jnp.bfloat16 and K == 128:  # the wy kernel could not share an SM three ways
+        assert smem["chan_intra_wy"] > smem_per_cta(3), smem
 
 
 # ------------------------------------------------------------------------------------------------

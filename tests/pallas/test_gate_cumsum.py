@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gdn_cases import lowered_kernels, run_interpreted
-from test_channel_ksplit_dqkw import SMEM_TWO_CTAS, _smem_limit
+from gdn_cases import lowered_kernels, run_interpreted, smem_limit, smem_per_cta
 
 from gdn_jax.ops import _gate_cumsum
 from gdn_jax.reference.chunked import gate_cumsum
@@ -173,7 +172,7 @@ def test_lowers_for_cuda_in_half_an_sm():
         G, vjp = jax.vjp(_gate_cumsum.lane_gate_cumsum, g)
         return G, vjp(ct)[0]
 
-    with pk.cuda_lowering_mesh(), _smem_limit(SMEM_TWO_CTAS):
+    with pk.cuda_lowering_mesh(), smem_limit(smem_per_cta(2)):
         txt = jax.jit(f).trace(g, g).lower(lowering_platforms=("cuda",)).as_text()
     names = ("gate_cumsum", "gate_cumsum_rev")
     assert lowered_kernels(txt, names) == set(names)
