@@ -275,7 +275,6 @@ def test_interpret_large_state():
 # CPU: the real GPU lowering (layout inference, wgmma operand checks, the SMEM budget)
 
 
-
 def _shapes(K, V, dt, B=1, T=192, HV=2):
     S, nt = jax.ShapeDtypeStruct, T // 64
     return dict(
