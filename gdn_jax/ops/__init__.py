@@ -233,7 +233,7 @@ def gated_delta_rule(
     if T == 0 or B == 0:
         val.check_scale(scale, K)
         return _empty(v, initial_state, N, HV, K, V, output_final_state)
-    raw_qk = (q, k)
+    raw_qkv = (q, k, v)
     (q, k, v, g, (beta,), _), scale, cu_seqlens, poison = _prepare(
         q, k, v, g, (beta.astype(jnp.float32),), (), scale=scale, cu_seqlens=cu_seqlens
     )
@@ -247,12 +247,11 @@ def gated_delta_rule(
 
     def run_pallas(fn):  # the GDN kernels fuse QAT (w and state sites) themselves
         _pallas_sees_layout(q, k, v, g, beta, initial_state)
-        # With the l2norm in the core, its kernels read non-finite q/k values as 0 (the same
-        # replacement as the sanitation's): given the raw q and k, XLA drops the replacement pass
-        # over them and keeps only the reductions of the Poison.
-        qk = raw_qk if use_qk_l2norm else (q, k)
+        # The GDN kernels (and the l2norm's) read non-finite q, k, v values as 0, the
+        # sanitation's replacement: given the raw q, k, v, XLA writes no sanitised copies and
+        # keeps only the reductions of the Poison.
         return fn(
-            *qk, v, g, beta, scale=scale, initial_state=initial_state,
+            *raw_qkv, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip

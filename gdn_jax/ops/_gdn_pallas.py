@@ -37,6 +37,7 @@ from gdn_jax.ops._pallas_common import (
     wipe_first_tokens,
     zero_sequences_without_chunks,
 )
+from gdn_jax.ops._sanitize import finite
 from gdn_jax.ops._segments import (  # segment_starts / segment_end_cotangents: the state combine
     pad_chunks,
     segment_count,
@@ -189,6 +190,9 @@ def _core_bwd(cfg, res, cts):
     # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces. With
     # segments the two loops run per segment (plus the reverse segment pass and the combine).
     q, k, v, G, beta, h0, meta, seg, raw = res
+    # the forward's kernels read non-finite q, k, v as 0 (the normalised q, k are finite); the
+    # backward's read these copies
+    q, k, v = (x if raw is not None and i < 2 else finite(x) for i, x in enumerate((q, k, v)))
     do, dht = cts
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -315,6 +319,10 @@ def gated_delta_rule_pallas(
     segments: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """GDN on the Mosaic GPU kernels; inputs already validated by :func:`gdn_jax.gated_delta_rule`.
+
+    The op passes q, k and v raw (it poisons the results itself, :mod:`gdn_jax.ops._sanitize`):
+    the kernels read their non-finite values as 0 (the sanitation's replacement, with its
+    straight-through derivative); g and β come sanitised.
 
     Args:
       q, k: [B, T, H, K] bf16/f16; v: [B, T, HV, V] same dtype.

@@ -23,7 +23,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import CHUNK, chunk_coords, per_chunk_kernel
+from pallas_kernels._tiles import CHUNK, chunk_coords, finite, per_chunk_kernel
 from pallas_kernels.gdn.fake_quant import W_QUANT, fake_quant_e4m3
 
 
@@ -64,6 +64,10 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: s
         plgpu.copy_gmem_to_smem(b_g.at[b, hv, rows], be_s, bar.at[3])
         for i in range(4):
             plgpu.barrier_wait(bar.at[i])
+        # the op's raw k and v: non-finite values read as 0 (the sanitation's replacement)
+        k_s[...] = finite(cp.load_tile(k_s).astype(jnp.float32)).astype(dt)
+        v_s[...] = finite(cp.load_tile(v_s).astype(jnp.float32)).astype(dt)
+        plgpu.commit_smem()
 
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
@@ -143,8 +147,9 @@ def intra_chunk(
     """Computes w, u (and optionally A) for every chunk.
 
     Args:
-      k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
-      v: [B, T, HV, V], same dtype as k; HV % H == 0.
+      k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero; non-finite
+        values are read as 0.
+      v: [B, T, HV, V], same dtype as k; HV % H == 0; non-finite values are read as 0.
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       beta: [B, HV, T] f32 (padded rows zero).
       config: :class:`IntraConfig`.

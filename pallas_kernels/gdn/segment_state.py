@@ -31,6 +31,7 @@ from pallas_kernels._tiles import (
     LoopConfig,
     check_meta,
     chunk_offset,
+    finite,
     per_v_block_kernel,
     segment_coords,
     store_f32_tile,
@@ -81,6 +82,9 @@ def _map_body(
 
                 on = row < jnp.where(reset >= 0, K, 0)
                 S = jnp.where(on, jnp.where(is_val, cp.load_tile(st_s), 0.0), S)
+            # the op's raw k: non-finite values read as 0 (a NaN state would survive a
+            # packed lane's wipe gate, 0 · NaN, into the next sequence)
+            k_s[...] = finite(cp.load_tile(k_s).astype(f32)).astype(dt)
             unstage = stage_columns(S, s_s, scaled)
             plgpu.commit_smem()
             ws = unstage(cp.matmul(w_s, s_s, (C, BV)))
@@ -127,7 +131,8 @@ def segment_maps(
     all S with ``all_segments``.
 
     Args:
-      k: [B, T, H, K]; w: [B, T, HV, K]; u: [B, T, HV, V] (io dtype); T/64 a multiple of S.
+      k: [B, T, H, K] (non-finite values read as 0); w: [B, T, HV, K]; u: [B, T, HV, V] (io
+        dtype); T/64 a multiple of S.
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
       h0: [N, HV, K, V] f32 initial states of the packed sequences (read only with ``meta``).
       config: :class:`~pallas_kernels._tiles.LoopConfig` (block_v 64, segments ≥ 2; scale unused).

@@ -75,6 +75,7 @@ from pallas_kernels._tiles import (
     LoopConfig,
     check_meta,
     chunk_offset,
+    finite,
     load_state_row,
     per_v_block_kernel,
     segment_coords,
@@ -194,6 +195,12 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, pa
             # with f16 h is stored from the f32 tile, so the staged one is not a TMA source
             s_ref = s_s.at[slot] if store_h and not scaled else s_s
             vn_ref = vn_s.at[slot] if store_h else vn_s
+            if not channel:
+                # the op's raw k: non-finite values read as 0 (a NaN state would survive a
+                # packed lane's wipe gate, 0 · NaN, into the next sequence). A bad q reaches
+                # only its own row of o (q S and the causal q kᵀ are row-wise), which the op
+                # poisons anyway.
+                k_s[...] = finite(cp.load_tile(k_s).astype(f32)).astype(dt)
             unstage = stage_columns(S, s_ref, scaled)
             if store_h and scaled:
                 hf_s.at[slot][...] = S
@@ -343,7 +350,8 @@ def chunk_fwd(
     """The chunk loop of the scalar gate (GDN).
 
     Args:
-      q, k: [B, T, H, K] (q unused/None with ``store_h``); T a multiple of 64.
+      q, k: [B, T, H, K] (q unused/None with ``store_h``); T a multiple of 64. Non-finite
+        values in k are read as 0; in q they reach only their own row of o.
       w: [B, T, HV, K]; u: [B, T, HV, V] (from :func:`pallas_kernels.gdn.intra.intra_chunk`).
       g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
       h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``). With

@@ -134,8 +134,42 @@ def test_interpret_segments_f16_decayed_maps():
     _interpreted_2x(512, [0, 20, 20, 512], 2, jnp.float16, gate_scale=1.0)
 
 
+def _bad_k_stays_in_its_sequence(T, cu, S, states):
+    """The kernels get the raw k (the op poisons itself): a NaN in k of the first packed sequence
+    gives, bitwise, the outputs and final states of the same run with that value 0 everywhere
+    except its own sequence from the bad token on (a NaN state crosses no sequence start: the
+    wipe gate's 0 · NaN, the segment maps, the states set from h0)."""
+    x, cuj, _ = _case(5, 1, T, 1, 2, 64, 64, cu, gate_scale=0.05)
+    q, k, v = (x[n].astype(jnp.bfloat16) for n in ("q", "k", "v"))
+    h0 = x["initial_state"] if states else None
+    t0 = 10
+
+    def run(k):
+        return _op(S)(q, k, v, x["g"], x["beta"], initial_state=h0, output_final_state=states,
+                      cu_seqlens=cuj, use_qk_l2norm=False)  # fmt: skip
+
+    bad, zero = (jax.jit(run)(k.at[0, t0, 0, 3].set(val)) for val in (jnp.nan, 0.0))
+    o, oz = np.asarray(bad[0], np.float32), np.asarray(zero[0], np.float32)
+    np.testing.assert_array_equal(o[:, :t0], oz[:, :t0])
+    np.testing.assert_array_equal(o[:, cu[1] :], oz[:, cu[1] :])
+    if states:
+        np.testing.assert_array_equal(np.asarray(bad[1][1:]), np.asarray(zero[1][1:]))
+
+
+def test_interpret_bad_k_stays_in_its_sequence():
+    """S = 2 on a packed lane of 4 chunks without states: the wipe gate resets the state."""
+    run_interpreted(_bad_k_stays_in_its_sequence, 256, [0, 64, 256], 2, False)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU (H200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S,states", [(2, False), (7, False), (7, True)])
+def test_gpu_bad_k_stays_in_its_sequence(S, states):
+    _bad_k_stays_in_its_sequence(4096, [0, 1000, 1000, 4096], S, states)
+
 
 # one packed lane (an empty sequence, a one-token one, sequences longer than a segment) with
 # initial and final states, at every segment count; mild gates so that states cross segments
