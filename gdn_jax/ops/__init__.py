@@ -240,26 +240,28 @@ def gated_delta_rule(
 
     def run_xla():
         b = beta[..., None]
-        return _xla.chunked(
+        o, final = _xla.chunked(
             q, k, v, g[..., None], b, b, scale=scale, initial_state=initial_state,
             use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
+        return poison.output(o), final
 
     def run_pallas(fn):  # the GDN kernels fuse QAT (w and state sites) themselves
         _pallas_sees_layout(q, k, v, g, beta, initial_state)
         # The GDN kernels (and the l2norm's) read non-finite q, k, v values as 0, the
         # sanitation's replacement: given the raw q, k, v, XLA writes no sanitised copies and
-        # keeps only the reductions of the Poison.
+        # keeps only the reductions of the Poison, which the chunk loop puts into o as it
+        # stores it.
         return fn(
             *raw_qkv, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat, poison=poison,
         )  # fmt: skip
 
     o, final = _run(
         "gdn", implementation, run_xla, lambda: run_pallas(_pallas("gdn")), default="gdn"
     )
-    return poison.output(o), (poison.state(final, T) if output_final_state else None)
+    return o, (poison.state(final, T) if output_final_state else None)
 
 
 def _empty(v, initial_state, N, HV, K, V, output_final_state):
@@ -287,27 +289,28 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
     w = b if kda_gates else cols[0]
 
     def run_xla():
-        return _xla.chunked(
+        o, final = _xla.chunked(
             q, k, v, g, b, w, scale=scale, initial_state=initial_state,
             use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
+        return poison.output(o), final
 
     def run_pallas(fn):
         _pallas_sees_layout(q, k, v, g, b, w, initial_state)
         # The channel kernels read non-finite q, k, v, b, w values as 0 and the glue clamps the
         # raw g (the sanitation's replacements, :func:`gdn_jax.ops._channel_pallas.
         # channel_pallas`): given the raw inputs, XLA writes no sanitised copies and keeps only
-        # the reductions of the Poison.
+        # the reductions of the Poison, which the chunk loop puts into o as it stores it.
         return fn(
             *raw, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat, poison=poison,
         )  # fmt: skip
 
     o, final = _run(
         variant, implementation, run_xla, lambda: run_pallas(_pallas(variant)), default=variant
     )
-    return poison.output(o), (poison.state(final, T) if output_final_state else None)
+    return o, (poison.state(final, T) if output_final_state else None)
 
 
 def kda(

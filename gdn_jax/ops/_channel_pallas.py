@@ -80,12 +80,13 @@ from gdn_jax.ops._pallas_common import (
     CoreConfig,
     from_one_lane,
     from_padded_lanes,
+    lane_poison,
     one_lane,
     packed_meta,
     padded_lanes,
     wipe_first_tokens,
 )
-from gdn_jax.ops._sanitize import finite
+from gdn_jax.ops._sanitize import Poison, finite
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, l2norm
 from pallas_kernels import _compat as pk
@@ -151,22 +152,24 @@ def core_plan(cfg: ChannelConfig, q: jax.Array, v: jax.Array, *, store_a: bool) 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta=None):
+def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta=None, poison=None):
     """(o, final state, products): products are the intra kernel's ``(qg, kg, wk, u, Aqk, A)``
-    (the backward's inputs, A stored by the kernel) when ``with_products``, else None."""
+    (the backward's inputs, A stored by the kernel) when ``with_products``, else None. o gets
+    the op's NaN from ``poison`` (lane coordinates, :func:`gdn_jax.ops._pallas_common.
+    lane_poison`) as the chunk loop stores it."""
     plan = core_plan(cfg, q, v, store_a=with_products)
     with cfg.kernels():
         bk = kernel_beta(b) if cfg.scalar_beta else b
         products = channel_intra(q, k, v, G, bk, w, plan.intra_config())
         qg, kg, wk, u, aqk = products[:5]
         o, ht = channel_chunk_fwd(
-            qg, kg, wk, u, aqk, decay_last(G), h0, plan.fwd_config(cfg.scale), meta
+            qg, kg, wk, u, aqk, decay_last(G), h0, plan.fwd_config(cfg.scale), meta, poison
         )
     return o, ht, (products if with_products else None)
 
 
-def _core_fwd(cfg, q, k, v, G, b, w, h0, meta):
-    o, ht, products = _forward(cfg, True, q, k, v, G, b, w, h0, meta)
+def _core_fwd(cfg, q, k, v, G, b, w, h0, meta, poison):
+    o, ht, products = _forward(cfg, True, q, k, v, G, b, w, h0, meta, poison)
     G = remat.name(G, remat.GDN_GATE_CUMSUM)
     *products, A = products
     products = (*remat.name(tuple(products), remat.GDN_INTRA), remat.name(A, remat.GDN_A))
@@ -196,8 +199,8 @@ def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
-    """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0, None)`` (its inputs; none for the
-    table ``meta``).
+    """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0, None, None)`` (its inputs; none for
+    the table ``meta`` and the poison).
 
     The Mosaic GPU backward (:func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`):
     recompute h, v_new with the forward's state kernel, then the reverse state-gradient loop,
@@ -222,12 +225,12 @@ def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
         grads = channel_backward_pallas(
             q, k, v, G, b, w, h0, res[8:], do, dht, meta, scale=cfg.scale, plan=plan
         )
-    return (*grads, None)
+    return (*grads, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: ChannelConfig, q, k, v, G, b, w, h0, meta=None):
-    return _forward(cfg, False, q, k, v, G, b, w, h0, meta)[:2]
+def _core(cfg: ChannelConfig, q, k, v, G, b, w, h0, meta=None, poison=None):
+    return _forward(cfg, False, q, k, v, G, b, w, h0, meta, poison)[:2]
 
 
 # No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
@@ -258,6 +261,7 @@ def channel_pallas(
     cu_seqlens: jax.Array | None,
     chunk_size: int,
     qat: QATConfig | None = None,
+    poison: Poison | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """GDN2 / KDA on the Mosaic GPU kernels; inputs already validated by the public op.
 
@@ -274,6 +278,8 @@ def channel_pallas(
       scale, initial_state ([N, HV, K, V] f32 or None), output_final_state, use_qk_l2norm,
       cu_seqlens ([N + 1] int32, B == 1), chunk_size (64): as the public ops.
       qat: optional FP8 fake quantisation of w and the chunk-entering states (fused).
+      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison`, put into o by the chunk loop as
+        it stores it (the final state is left to the op), or None.
     Returns:
       (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] f32 or None).
     Raises:
@@ -312,12 +318,17 @@ def channel_pallas(
 
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    meta = None
+    meta = lp = None
     floor = MIN_LOG_DECAY  # (None where g is clamped already)
     if cu_seqlens is None:  # one zero-padded lane per batch row
-        xp = padded_lanes(xs, None, T, -(-T // CHUNK) * CHUNK)
+        Tp = -(-T // CHUNK) * CHUNK
+        xp = padded_lanes(xs, None, T, Tp)
+        if poison is not None:
+            lp = lane_poison(poison, None, T, Tp)
     else:  # all sequences back to back on one lane, each starting at a chunk boundary
         xp, layout = one_lane(xs, cu_seqlens, T)
+        if poison is not None:
+            lp = lane_poison(poison, cu_seqlens, T, 0, layout)
         if initial_state is None and not output_final_state:  # the state wiped at each start
             xp[3] = wipe_first_tokens(clamped_log_decay(xp[3], MIN_LOG_DECAY), layout)
             floor = None
@@ -326,7 +337,7 @@ def channel_pallas(
             meta = packed_meta(layout)
     qp, kp, vp, gp, bp = xp[:5]
     wp = None if scalar else xp[5]
-    o, ht = _core(cfg, qp, kp, vp, lane_gate_cumsum(gp, floor), bp, wp, h0, meta)
+    o, ht = _core(cfg, qp, kp, vp, lane_gate_cumsum(gp, floor), bp, wp, h0, meta, lp)
 
     if cu_seqlens is None:
         return from_padded_lanes(o, None, T).astype(v.dtype), (ht if output_final_state else None)

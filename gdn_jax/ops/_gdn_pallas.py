@@ -31,13 +31,14 @@ from gdn_jax.ops._pallas_common import (
     CoreConfig,
     from_one_lane,
     from_padded_lanes,
+    lane_poison,
     one_lane,
     packed_meta,
     padded_lanes,
     wipe_first_tokens,
     zero_sequences_without_chunks,
 )
-from gdn_jax.ops._sanitize import finite
+from gdn_jax.ops._sanitize import Poison, finite
 from gdn_jax.ops._segments import (  # segment_starts / segment_end_cotangents: the state combine
     pad_chunks,
     segment_count,
@@ -124,21 +125,21 @@ def _normalized(cfg, q, k):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _forward(cfg, q, k, v, G, beta, h0, meta):
+def _forward(cfg, q, k, v, G, beta, h0, meta, poison):
     with cfg.kernels():
         w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
         if cfg.segments > 1:
-            o, ht, _ = _segmented_loop(cfg, q, k, w, u, G, h0, meta, all_segments=False)
+            o, ht, _ = _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, all_segments=False)
             return o, ht
-        o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]), meta)
+        o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]), meta, poison)
     return o, ht
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _segmented_forward(cfg, q, k, v, G, beta, h0, meta):
+def _segmented_forward(cfg, q, k, v, G, beta, h0, meta, poison):
     with cfg.kernels():
         w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
-        return _segmented_loop(cfg, q, k, w, u, G, h0, meta, all_segments=True)
+        return _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, all_segments=True)
 
 
 def _segment_tables(cfg, starts, h0, meta):
@@ -152,7 +153,7 @@ def _segment_tables(cfg, starts, h0, meta):
     return jnp.concatenate([h0, starts[0]]), mx, first_seq
 
 
-def _segmented_loop(cfg, q, k, w, u, G, h0, meta, *, all_segments):
+def _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, *, all_segments):
     """Segment pass, combine and the chunk loop from every segment's true initial state.
 
     Returns:
@@ -167,19 +168,19 @@ def _segmented_loop(cfg, q, k, w, u, G, h0, meta, *, all_segments):
     starts, _ = segment_starts(ends[:, : S - 1], None if meta is not None else h0)
     maps = ends[..., V:]
     h0s, mx, _ = _segment_tables(cfg, starts, h0, meta)
-    o, ht = chunk_fwd(q, k, w, u, G, h0s, cfg.fwd_config(V), mx)
+    o, ht = chunk_fwd(q, k, w, u, G, h0s, cfg.fwd_config(V), mx, poison)
     ht = ht.reshape((B, S) + ht.shape[1:])[:, -1] if meta is None else ht[: h0.shape[0]]
     return o, ht, (starts, maps)
 
 
-def _core_fwd(cfg, q, k, v, G, beta, h0, meta):
+def _core_fwd(cfg, q, k, v, G, beta, h0, meta, poison):
     raw = (q, k) if cfg.qk_l2norm else None  # the l2norm backward recomputes from these
     q, k = _normalized(cfg, q, k)
     if cfg.segments > 1:
-        o, ht, seg = _segmented_forward(cfg, q, k, v, G, beta, h0, meta)
+        o, ht, seg = _segmented_forward(cfg, q, k, v, G, beta, h0, meta, poison)
         seg = tuple(remat.name(x, remat.GDN_CHUNK_STATES) for x in seg)
     else:
-        (o, ht), seg = _forward(cfg, q, k, v, G, beta, h0, meta), None
+        (o, ht), seg = _forward(cfg, q, k, v, G, beta, h0, meta, poison), None
     G = remat.name(G, remat.GDN_GATE_CUMSUM)
     return (o, ht), (q, k, v, G, beta, h0, meta, seg, raw)
 
@@ -237,7 +238,7 @@ def _core_bwd(cfg, res, cts):
     dG = dG.at[..., -1].add(last).reshape(B, HV, T)
     if meta is not None:  # rows of sequences without chunks were never written
         dh0 = zero_sequences_without_chunks(dh0, meta)
-    return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0, None
+    return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0, None, None
 
 
 def _segmented_bwd_loops(cfg, q, k, w, u, do, G, h0, dht, meta, seg):
@@ -270,8 +271,8 @@ def _segmented_bwd_loops(cfg, q, k, w, u, do, G, h0, dht, meta, seg):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None):
-    return _core_fwd(cfg, q, k, v, G, beta, h0, meta)[0]
+def _core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None, poison=None):
+    return _core_fwd(cfg, q, k, v, G, beta, h0, meta, poison)[0]
 
 
 # No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
@@ -317,6 +318,7 @@ def gated_delta_rule_pallas(
     chunk_size: int,
     qat: QATConfig | None = None,
     segments: int | None = None,
+    poison: Poison | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """GDN on the Mosaic GPU kernels; inputs already validated by :func:`gdn_jax.gated_delta_rule`.
 
@@ -337,6 +339,8 @@ def gated_delta_rule_pallas(
       segments: how many segments the chunk loops cut each lane into (run in parallel); None:
         :func:`gdn_jax.ops._segments.segment_count` of the lanes and the device's SM count
         (1 with the QAT state quant, whose loop is not affine in the state).
+      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison`, put into o by the chunk loop as
+        it stores it (the final state is left to the op), or None.
     Returns:
       (o [B, T, HV, V] in v.dtype, final state or None).
     Raises:
@@ -355,9 +359,9 @@ def gated_delta_rule_pallas(
     cfg = dataclasses.replace(cfg, segments=segments, qk_l2norm=bool(use_qk_l2norm))
     Tp = -(-T // CHUNK) * CHUNK
     if cu_seqlens is not None and initial_state is None and not output_final_state:
-        return _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens), None
+        return _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens, poison), None
     if cu_seqlens is not None and cfg.fwd_config(V).block_v == 64:
-        o, ht = _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state)
+        o, ht = _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state, poison)
         return o, (ht if output_final_state else None)
 
     # one zero-padded lane per batch row, or per sequence (costs N * T tokens of work; only where
@@ -374,7 +378,8 @@ def gated_delta_rule_pallas(
 
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     Gp, bp = _kernel_gates(gp, bp)
-    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0)
+    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, Tp)
+    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, lp)
     o = from_padded_lanes(o, cu_seqlens, T)
     return o.astype(v.dtype), (ht if output_final_state else None)
 
@@ -388,16 +393,21 @@ def _segments_for(cfg: PallasConfig, B: int, T: int, HV: int, V: int, cu_seqlens
     return segment_count(lanes, HV, rows, V // cfg.fwd_config(V).block_v, sm_count())
 
 
-def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None):
+def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None, poison=None):
     """:func:`_core` on lanes padded to a multiple of ``64 · cfg.segments`` rows (inert zero rows;
-    the per-chunk table gets -1 rows); o is cut back to the lanes' rows."""
+    the per-chunk table gets -1 rows, the poison none); o is cut back to the lanes' rows."""
     rows = q.shape[1]
     if cfg.segments > 1:
         q, k, v, G, beta = pad_chunks((q, k, v, G, beta), (1, 1, 1, 2, 2), cfg.segments)
+        pad = q.shape[1] // CHUNK - rows // CHUNK
         if meta is not None:
-            pad = q.shape[1] // CHUNK - meta.shape[0]
             meta = jnp.concatenate([meta, jnp.full((pad, meta.shape[1]), -1, meta.dtype)])
-    o, ht = _core(cfg, q, k, v, G, beta, h0, meta)
+        if poison is not None:
+            nan_rows, nan_from = poison
+            nan_rows = jnp.pad(nan_rows, [(0, 0), (0, 0), (0, pad * CHUNK)])
+            nan_from = jnp.pad(nan_from, [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=CHUNK)
+            poison = (nan_rows, nan_from)
+    o, ht = _core(cfg, q, k, v, G, beta, h0, meta, poison)
     return o[:, :rows], ht
 
 
@@ -409,7 +419,7 @@ def _kernel_gates(g: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
     return G.reshape(N, rows, HV).transpose(0, 2, 1), beta.astype(f32).transpose(0, 2, 1)
 
 
-def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens):
+def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens, poison):
     """Packed sequences with zero initial states and no final states, on a single lane.
 
     Sequences sit back to back, each starting at a chunk boundary (T + 64 N rows at most, instead
@@ -422,11 +432,12 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(wipe_first_tokens(gp, layout), bp)
     h0 = jnp.zeros((1, HV, K, V), f32)
-    o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0)
+    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, 0, layout)
+    o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, lp)
     return from_one_lane(o, layout, T).astype(v.dtype)
 
 
-def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):
+def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state, poison):
     """Packed sequences with initial and/or final states, on a single lane.
 
     Sequences sit back to back, each starting at a chunk boundary (as in
@@ -440,6 +451,7 @@ def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(gp, bp)
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, packed_meta(layout))
+    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, 0, layout)
+    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, packed_meta(layout), lp)
     ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
     return from_one_lane(o, layout, T).astype(v.dtype), ht

@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.ops._sanitize import Poison
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import ChunkLayout, chunk_layout, from_chunks, to_chunks
 from pallas_kernels import _compat as pk
@@ -27,6 +28,7 @@ __all__ = [
     "WIPE_LOG_DECAY",
     "from_one_lane",
     "from_padded_lanes",
+    "lane_poison",
     "one_lane",
     "packed_meta",
     "padded_lanes",
@@ -163,3 +165,43 @@ def zero_sequences_without_chunks(x: jax.Array, meta: jax.Array) -> jax.Array:
     N = x.shape[0]
     seen = jnp.zeros((N + 1,), bool).at[jnp.where(meta[:, 0] >= 0, meta[:, 0], N)].set(True)
     return jnp.where(seen[:N].reshape((N,) + (1,) * (x.ndim - 1)), x, 0.0)
+
+
+def lane_poison(
+    poison: Poison,
+    cu_seqlens: jax.Array | None,
+    T: int,
+    Tp: int,
+    layout: ChunkLayout | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The op's :class:`~gdn_jax.ops._sanitize.Poison` in lane coordinates, as the chunk loops
+    add it to o (:func:`pallas_kernels.recurrence.chunk_fwd.chunk_fwd`'s ``poison``).
+
+    Args:
+      poison: the Poison of the op's inputs (token coordinates).
+      cu_seqlens: [N + 1] int32 or None (dense).
+      T: tokens; Tp: the lane length of :func:`padded_lanes` (dense, or a lane per sequence).
+      layout: :func:`one_lane`'s layout when the sequences share one lane (then Tp is unused).
+    Returns:
+      (nan_rows [L, HV, rows] f32: NaN on the rows whose whole output is NaN (a bad q), else 0;
+      nan_from [L, HV, rows/64, V] f32: per chunk, the row from which each value column is NaN,
+      64 where it is not), for the lanes (L, rows) of that layout.
+    """
+    rows_nan = jnp.where(poison.now, jnp.nan, 0.0).astype(f32)  # [B, T, HV]
+    first = poison.first  # [N, HV, V], token index (absolute with cu_seqlens)
+    if layout is not None:  # one lane: each chunk's sequence and first token
+        nc = layout.token.shape[1]
+        lane_rows = to_chunks(rows_nan, layout).reshape(1, nc * CHUNK, -1)
+        seq = layout.seq[0]
+        pad = seq >= first.shape[0]
+        tok0 = jnp.where(pad, 0, layout.token[0, :, 0])
+        frm = jnp.take(first, jnp.where(pad, 0, seq), axis=0) - tok0[:, None, None]
+        frm = jnp.where(pad[:, None, None], CHUNK, frm)[None]
+    else:
+        nc = Tp // CHUNK
+        lane_rows = padded_lanes([rows_nan], cu_seqlens, T, Tp)[0]
+        c0 = CHUNK * jnp.arange(nc, dtype=jnp.int32)
+        tok0 = c0 if cu_seqlens is None else cu_seqlens[:-1, None].astype(jnp.int32) + c0
+        frm = first[:, None] - jnp.broadcast_to(tok0, (first.shape[0], nc))[..., None, None]
+    nan_from = jnp.clip(frm, 0, CHUNK).astype(f32).transpose(0, 2, 1, 3)
+    return lane_rows.transpose(0, 2, 1), nan_from

@@ -38,6 +38,10 @@ one scale per V column or one per K×V state), and that quantised state is the o
 products, its decayed update and, with ``store_h``, the stored h use (as in the xla path). A
 per-state scale needs the whole state in one CTA (``block_v == V``).
 
+Non-finite inputs (``poison``): the op's NaN (:mod:`gdn_jax.ops._sanitize`) is added to o in
+registers before its store, from a per-row vector (rows whose whole output is NaN) and a per-chunk
+vector of the row from which each value column is NaN, instead of a pass of its own over o.
+
 Packed sequences on one lane (``meta``): each sequence starts at a chunk boundary and a per-chunk
 table, read from SMEM as scalars, names the sequence whose first chunk this is (the state is set
 to its h0 row, TMA-loaded into a staging tile under a predicate) and the one whose last chunk this
@@ -115,9 +119,12 @@ class ChunkFwdConfig(LoopConfig):
             raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
 
 
-def _fwd_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, packed: bool):
+def _fwd_body(
+    *refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, packed: bool, poisoned: bool
+):
     """The chunk loop of one CTA. ``channel``: decay per key channel (inputs qg, kg, w, u, Aqk,
     e^{G_last}); else the scalar gate (inputs q, k, w, u, G; ``group`` value heads per key head).
+    ``poisoned``: o gets the op's NaN from the two poison inputs (see :func:`chunk_fwd`).
     """
     C, BV = CHUNK, cfg.block_v
     store_h = cfg.store_h
@@ -130,7 +137,8 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, pa
     k_g, w_g, u_g = refs[:3]  # k (kg), w, u
     a_g = None if store_h or not channel else refs.pop(3)  # Aqk
     g_g, h0_g = refs[3:5]  # G [B, HV, T], or e^{G_last} [B, HV, T/64, K]
-    m_g = refs[5] if packed else None  # [NT, META_COLS] int32 per-chunk (reset, final) ids
+    nr_g, nf_g = refs[5:7] if poisoned else (None, None)  # NaN rows [B, HV, T], NaN-from rows
+    m_g = refs[7 if poisoned else 5] if packed else None  # [NT, META_COLS] int32 (reset, final)
     if channel:
         iv, hv, b, cols = v_block_coords(BV)
         bs, c0, hk = b, 0, hv  # one unsplit lane per batch row; GVA expanded by the intra kernel
@@ -176,6 +184,8 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, pa
         def step(idx, *args):
             *args, S = args
             m_s = args.pop() if packed else None
+            nf_s = args.pop() if poisoned else None
+            nr_s = args.pop() if poisoned else None
             q_s = None if store_h else args.pop(0)
             k_s, w_s, u_s = args[:3]
             a_s = args[3] if channel and not store_h else None
@@ -232,6 +242,11 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, pa
             else:
                 intra = a_s if channel else p_s  # the causal, decayed q kᵀ of the chunk
                 o = (o_inter + cp.matmul(intra, vn_ref, (C, BV))) * cfg.scale
+                if poisoned:  # the op's NaN: whole rows (a bad q) and columns from a row on
+                    rows = cp.iota((C, BV), 0).astype(f32)
+                    from_row = cp.bcast_cols(cp.col_vec(nf_s, BV), (C, BV))
+                    o = o + cp.bcast_rows(cp.row_vec(nr_s), (C, BV))
+                    o = o + jnp.where(rows >= from_row, jnp.nan, 0.0)
                 o_ref = o_s if o_single else o_s.at[slot]
                 o_ref[...] = o.astype(o_g.dtype)
                 plgpu.commit_smem()
@@ -266,6 +281,10 @@ def _fwd_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, pa
         else:  # G [B, HV, T]
             specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
         ins += (g_g,)
+        if poisoned:
+            specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
+            specs.append(cp.block_spec((None, None, None, BV), lambda c: (b, hv, at(c), iv)))
+            ins += (nr_g, nf_g)
         if packed:
             specs.append(cp.block_spec((None, META_COLS), lambda c: (at(c), 0)))  # (reset, final)
             ins += (m_g,)
@@ -310,10 +329,21 @@ def _check_packed(config: ChunkFwdConfig, meta) -> None:
         raise NotImplementedError("packed states with block_v=128: no SMEM for the state staging")
 
 
-def _launch(ins, meta, config: ChunkFwdConfig, *, rows: int, name: str, **body_kw):
+def _check_poison(poison, config: ChunkFwdConfig, B: int, HV: int, T: int, V: int) -> None:
+    if poison is None:
+        return
+    if config.store_h:
+        raise ValueError("poison: the store_h loop writes no o")
+    want = ((B, HV, T), (B, HV, T // CHUNK, V))
+    got = tuple(tuple(x.shape) for x in poison)
+    if len(poison) != 2 or got != want or any(x.dtype != f32 for x in poison):
+        raise ValueError(f"poison shapes {got}: expected two f32 arrays of shapes {want}")
+
+
+def _launch(ins, meta, poison, config: ChunkFwdConfig, *, rows: int, name: str, **body_kw):
     """Runs the loop on its inputs ``ins`` (keys, w, u [B, T, HV, V], ..., h0 last; keys
     [B, T, ·, K] are ``ins[0]`` with ``store_h``, else ``ins[1]``) on ``rows`` lanes
-    (B · segments)."""
+    (B · segments), with the poison inputs (or None) and the per-chunk table (or None)."""
     keys = ins[0] if config.store_h else ins[1]
     u, h0 = ins[2 if config.store_h else 3], ins[-1]
     B, T, _, K = keys.shape
@@ -331,10 +361,12 @@ def _launch(ins, meta, config: ChunkFwdConfig, *, rows: int, name: str, **body_k
         )
 
     def body(*refs):
-        _fwd_body(*refs, cfg=config, packed=meta is not None, **body_kw)
+        _fwd_body(
+            *refs, cfg=config, packed=meta is not None, poisoned=poison is not None, **body_kw
+        )
 
     fn = per_v_block_kernel(body, out_type, v_blocks=V // config.block_v, HV=HV, B=rows, name=name)
-    return fn(*ins, *(() if meta is None else (meta,)))
+    return fn(*ins, *(poison or ()), *(() if meta is None else (meta,)))
 
 
 def chunk_fwd(
@@ -346,6 +378,7 @@ def chunk_fwd(
     h0: jax.Array,
     config: ChunkFwdConfig,
     meta: jax.Array | None = None,
+    poison: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The chunk loop of the scalar gate (GDN).
 
@@ -362,6 +395,10 @@ def chunk_fwd(
       meta: packed sequences on one lane (B == 1): [T/64, META_COLS] int32, column 0 the
         sequence whose first chunk this is (its state is set to h0[that]) or -1, column 1 the
         sequence whose last chunk this is (its end state is written to final[that]) or -1.
+      poison: the op's NaN, added to o as it is stored (the non-finite inputs' outputs,
+        :mod:`gdn_jax.ops._sanitize`), or None: ``(nan_rows [B, HV, T] f32`` (NaN on rows whose
+        whole output is NaN, else 0), ``nan_from [B, HV, T/64, V] f32)`` (per chunk, the row
+        from which each value column is NaN; 64: none). Not with ``store_h``.
     Returns:
       Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
       ``meta``, rows of sequences without chunks unwritten; [B·S, HV, K, V] with S segments and
@@ -390,10 +427,11 @@ def chunk_fwd(
     if segs > 1 and not packed and h0.shape[0] != B * segs:
         raise ValueError(f"{h0.shape=}: with segments={segs} h0 needs B·segments = {B * segs} rows")
     _check_packed(config, meta)
+    _check_poison(poison, config, B, HV, T, V)
     ins = (k, w, u, g_cum, h0) if config.store_h else (q, k, w, u, g_cum, h0)
     name = "gdn_chunk_h" if config.store_h else "gdn_chunk_fwd"
     body_kw = dict(channel=False, group=HV // H, nt=nt // segs)
-    return _launch(ins, meta, config, rows=B * segs, name=name, **body_kw)
+    return _launch(ins, meta, poison, config, rows=B * segs, name=name, **body_kw)
 
 
 def channel_chunk_fwd(
@@ -406,6 +444,7 @@ def channel_chunk_fwd(
     h0: jax.Array,
     config: ChunkFwdConfig,
     meta: jax.Array | None = None,
+    poison: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The chunk loop of the decay per key channel (GDN2 / KDA).
 
@@ -417,6 +456,7 @@ def channel_chunk_fwd(
       h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``).
       config: :class:`ChunkFwdConfig` (segments 1).
       meta: packed sequences on one lane (B == 1): the table of :func:`chunk_fwd`.
+      poison: the op's NaN added to o, as for :func:`chunk_fwd`, or None.
     Returns:
       Default: (o [B, T, HV, V] in kg.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
       ``meta``, rows of sequences without chunks unwritten).
@@ -443,6 +483,7 @@ def channel_chunk_fwd(
         raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
     check_meta(meta, B, nt)
     _check_packed(config, meta)
+    _check_poison(poison, config, B, HV, T, V)
     ins = (kg, w, u, decay_last, h0) if config.store_h else (qg, kg, w, u, aqk, decay_last, h0)
     name = "chan_chunk_h" if config.store_h else "chan_chunk_fwd"
-    return _launch(ins, meta, config, rows=B, name=name, channel=True, group=1, nt=nt)
+    return _launch(ins, meta, poison, config, rows=B, name=name, channel=True, group=1, nt=nt)

@@ -153,10 +153,10 @@ def test_lowers_for_cuda(K, V, HV, dtype):
     )  # fmt: skip
 
     def f(q, k, v, g, b, h0, cu):
-        def loss(q, k, v, g, b, h0):
-            o, s = _pallas(
+        def loss(q, k, v, g, b, h0):  # through the op: its poison goes into the chunk loop
+            o, s = gdn_jax.gated_delta_rule(
                 q, k, v, g, b, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                use_qk_l2norm=True,
+                use_qk_l2norm=True, implementation="pallas",
             )  # fmt: skip
             return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
