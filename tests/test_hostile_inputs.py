@@ -319,32 +319,31 @@ def test_pallas_interpreter_non_finite_raw_inputs(variant, l2norm):
     assert np.all(np.isfinite(o[0, :20])) and np.all(np.isnan(o[0, 40:]))
 
 
-@pytest.mark.parametrize(
-    "variant,B,states", [("gdn", 2, True), ("gdn", 1, False), ("gdn", 1, True), ("kda", 1, True)]
-)
-def test_pallas_interpreter_poison_on_the_lanes(variant, B, states):
+def _poison_on_the_lanes(variant, B, states, T, mode):
     """The Pallas paths put the op's NaN into o as the chunk loop stores it, in lane
     coordinates: dense rows (B = 2) or packed sequences on one lane (B = 1: an empty sequence,
     one ending mid-chunk; the wipe gate without states, the per-chunk table with them), with
     GVA. NaN exactly where the xla path has it, the other values close to its."""
     pk = pytest.importorskip("pallas_kernels._compat")
-    args, h0 = op_args(variant, B=B, T=128, H=1, HV=2, K=64, V=64, seed=3)
+    args, h0 = op_args(variant, B=B, T=T, H=1, HV=2, K=64, V=64, seed=3)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q, k, v, *gates = args
     q, k, v = unit(q).astype(jnp.bfloat16), unit(k).astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    t_q, t_k = T // 2 + 6, T - 28
     v = v.at[0, 10, 1, 3].set(jnp.nan)  # a column of head 1 from token 10 (sequence 0)
-    q = q.at[B - 1, 70, 0, 5].set(jnp.inf)  # token 70's outputs
-    k = k.at[B - 1, 100, 0, 1].set(jnp.nan)  # both heads from token 100
-    cu = None if B > 1 else jnp.asarray([0, 40, 40, 128], jnp.int32)
+    q = q.at[B - 1, t_q, 0, 5].set(jnp.inf)  # token t_q's outputs
+    k = k.at[B - 1, t_k, 0, 1].set(jnp.nan)  # both heads from token t_k
+    cu = None if B > 1 else jnp.asarray([0, 40, 40, T], jnp.int32)
     n = B if cu is None else 3
     kw = dict(cu_seqlens=cu, output_final_state=states)
     kw["initial_state"] = 0.1 * jnp.ones((n,) + h0.shape[1:], jnp.float32) if states else None
     xs = (q, k, v, *gates)
-    with pk.use_mode("interpret"):
+    with pk.use_mode(mode):
         try:
             o, s = OPS[variant](*xs, implementation="pallas", **kw)
         finally:
-            pk.reset_interpreter()
+            if mode == "interpret":
+                pk.reset_interpreter()
     want_o, want_s = OPS[variant](*xs, implementation="xla", **kw)
     pairs = [(o, want_o)] + ([(s, want_s)] if states else [])
     for a, b in pairs:
@@ -355,7 +354,22 @@ def test_pallas_interpreter_poison_on_the_lanes(variant, B, states):
         assert err < 2e-2, err
     bad = np.isnan(np.asarray(want_o, np.float32))
     assert bad[0, 10:40, 1, 3].all() and not bad[0, :10].any()
-    assert bad[B - 1, 70].all() and bad[B - 1, 100:].all()
+    assert bad[B - 1, t_q].all() and bad[B - 1, t_k:].all()
+
+
+@pytest.mark.parametrize(
+    "variant,B,states", [("gdn", 2, True), ("gdn", 1, False), ("gdn", 1, True), ("kda", 1, True)]
+)
+def test_pallas_interpreter_poison_on_the_lanes(variant, B, states):
+    _poison_on_the_lanes(variant, B, states, 128, "interpret")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gdn", "kda", "gdn2"])
+@pytest.mark.parametrize("B,states", [(2, True), (1, False), (1, True)])
+def test_gpu_poison_on_the_lanes(variant, B, states):
+    """As the interpreter test, at T = 4096 (the default segment count for GDN)."""
+    _poison_on_the_lanes(variant, B, states, 4096, "auto")
 
 
 # ---------------------------------------------------------------------------------------------
