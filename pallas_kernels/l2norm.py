@@ -62,12 +62,14 @@ def _store(v, out_s, out_g, first, t) -> None:
     plgpu.copy_smem_to_gmem(out_s.at[slot], out_g.at[pl.ds((first + t) * ROWS, ROWS)])
 
 
-def l2norm_fwd(x: jax.Array, *, eps: float) -> jax.Array:
+def l2norm_fwd(x: jax.Array, *, eps: float, nan_rows: bool = False) -> jax.Array:
     """y = x / sqrt(Σ x² + eps) per row, non-finite values of x read as 0.
 
     Args:
       x: [R, K] bf16/f16, R a multiple of 64, K ∈ {64, 128}.
       eps: added to the sum of squares.
+      nan_rows: rows of x with a non-finite value come out all NaN instead (GDN's q: its chunk
+        loop finds those rows from q kᵀ and gives them the op's NaN).
     Returns:
       y [R, K] in x.dtype.
     """
@@ -80,8 +82,12 @@ def l2norm_fwd(x: jax.Array, *, eps: float) -> jax.Array:
 
         def scoped(y_s):
             def step(idx, x_s):
-                v = _tiles.finite(cp.load_tile(x_s).astype(f32))
+                raw = cp.load_tile(x_s).astype(f32)
+                v = _tiles.finite(raw)
                 r = lax.rsqrt(jnp.sum(v * v, axis=1) + eps)
+                if nan_rows:
+                    bad = jnp.max(jnp.where(jnp.abs(raw) < jnp.inf, 0.0, 1.0), axis=1)
+                    r = r + jnp.where(bad > 0, jnp.nan, 0.0)
                 _store(v * cp.bcast_rows(r, v.shape), y_s, y_g, first, idx[0])
 
             spec = cp.block_spec((ROWS, K), lambda t: (first + t, 0), dtype=x.dtype, cols=K)

@@ -324,11 +324,11 @@ def channel_pallas(
         Tp = -(-T // CHUNK) * CHUNK
         xp = padded_lanes(xs, None, T, Tp)
         if poison is not None:
-            lp = lane_poison(poison, None, T, Tp)
+            lp = lane_poison(poison, None, T, Tp, rows=True)
     else:  # all sequences back to back on one lane, each starting at a chunk boundary
         xp, layout = one_lane(xs, cu_seqlens, T)
         if poison is not None:
-            lp = lane_poison(poison, cu_seqlens, T, 0, layout)
+            lp = lane_poison(poison, cu_seqlens, T, 0, layout, rows=True)
         if initial_state is None and not output_final_state:  # the state wiped at each start
             xp[3] = wipe_first_tokens(clamped_log_decay(xp[3], MIN_LOG_DECAY), layout)
             floor = None

@@ -116,12 +116,16 @@ class PallasConfig(CoreConfig):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _normalized(cfg, q, k):
-    """q and k as the kernels read them: L2-normalised per head row when ``cfg.qk_l2norm``."""
+    """q and k as the kernels read them: L2-normalised per head row when ``cfg.qk_l2norm`` (k's
+    non-finite values read as 0; q's rows with one come out NaN, as the raw q's reach the chunk
+    loop, which finds them from q kᵀ)."""
     if not cfg.qk_l2norm:
         return q, k
     with cfg.kernels():
-        return tuple(l2norm_fwd(x.reshape(-1, x.shape[-1]), eps=L2NORM_EPS).reshape(x.shape)
-                     for x in (q, k))  # fmt: skip
+        return tuple(
+            l2norm_fwd(x.reshape(-1, x.shape[-1]), eps=L2NORM_EPS, nan_rows=i == 0).reshape(x.shape)
+            for i, x in enumerate((q, k))
+        )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -191,9 +195,10 @@ def _core_bwd(cfg, res, cts):
     # dq/dk/dw per chunk, WY backward per chunk; XLA only sums GVA heads and gate pieces. With
     # segments the two loops run per segment (plus the reverse segment pass and the combine).
     q, k, v, G, beta, h0, meta, seg, raw = res
-    # the forward's kernels read non-finite q, k, v as 0 (the normalised q, k are finite); the
-    # backward's read these copies
-    q, k, v = (x if raw is not None and i < 2 else finite(x) for i, x in enumerate((q, k, v)))
+    # the forward's kernels read non-finite k, v as 0 (the normalised k is finite) and q's reach
+    # only their own rows of o; the backward's read these copies
+    q, v = finite(q), finite(v)
+    k = k if raw is not None else finite(k)
     do, dht = cts
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -378,7 +383,7 @@ def gated_delta_rule_pallas(
 
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     Gp, bp = _kernel_gates(gp, bp)
-    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, Tp)
+    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, Tp, rows=False)
     o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, lp)
     o = from_padded_lanes(o, cu_seqlens, T)
     return o.astype(v.dtype), (ht if output_final_state else None)
@@ -402,11 +407,9 @@ def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None, poison=None):
         pad = q.shape[1] // CHUNK - rows // CHUNK
         if meta is not None:
             meta = jnp.concatenate([meta, jnp.full((pad, meta.shape[1]), -1, meta.dtype)])
-        if poison is not None:
-            nan_rows, nan_from = poison
-            nan_rows = jnp.pad(nan_rows, [(0, 0), (0, 0), (0, pad * CHUNK)])
-            nan_from = jnp.pad(nan_from, [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=CHUNK)
-            poison = (nan_rows, nan_from)
+        if poison is not None:  # (None, nan_from): GDN's loop finds the rows of a bad q
+            nan_from = jnp.pad(poison[1], [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=CHUNK)
+            poison = (None, nan_from)
     o, ht = _core(cfg, q, k, v, G, beta, h0, meta, poison)
     return o[:, :rows], ht
 
@@ -432,7 +435,7 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens, poison):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(wipe_first_tokens(gp, layout), bp)
     h0 = jnp.zeros((1, HV, K, V), f32)
-    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, 0, layout)
+    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, 0, layout, rows=False)
     o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, lp)
     return from_one_lane(o, layout, T).astype(v.dtype)
 
@@ -451,7 +454,7 @@ def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state, poison):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(gp, bp)
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, 0, layout)
+    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, 0, layout, rows=False)
     o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, packed_meta(layout), lp)
     ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
     return from_one_lane(o, layout, T).astype(v.dtype), ht

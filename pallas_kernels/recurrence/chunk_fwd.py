@@ -39,8 +39,10 @@ products, its decayed update and, with ``store_h``, the stored h use (as in the 
 per-state scale needs the whole state in one CTA (``block_v == V``).
 
 Non-finite inputs (``poison``): the op's NaN (:mod:`gdn_jax.ops._sanitize`) is added to o in
-registers before its store, from a per-row vector (rows whose whole output is NaN) and a per-chunk
-vector of the row from which each value column is NaN, instead of a pass of its own over o.
+registers before its store, instead of a pass of its own over o: from a per-chunk vector of the
+row from which each value column is NaN, and for the rows whose whole output is NaN (a bad q),
+from a per-row vector (channel; its q comes sanitised from the intra kernel) or from the chunk's
+own q kᵀ (scalar gate: a non-finite q makes every entry of its row non-finite).
 
 Packed sequences on one lane (``meta``): each sequence starts at a chunk boundary and a per-chunk
 table, read from SMEM as scalars, names the sequence whose first chunk this is (the state is set
@@ -124,7 +126,7 @@ def _fwd_body(
 ):
     """The chunk loop of one CTA. ``channel``: decay per key channel (inputs qg, kg, w, u, Aqk,
     e^{G_last}); else the scalar gate (inputs q, k, w, u, G; ``group`` value heads per key head).
-    ``poisoned``: o gets the op's NaN from the two poison inputs (see :func:`chunk_fwd`).
+    ``poisoned``: o gets the op's NaN from the poison inputs (see :func:`chunk_fwd`).
     """
     C, BV = CHUNK, cfg.block_v
     store_h = cfg.store_h
@@ -137,8 +139,11 @@ def _fwd_body(
     k_g, w_g, u_g = refs[:3]  # k (kg), w, u
     a_g = None if store_h or not channel else refs.pop(3)  # Aqk
     g_g, h0_g = refs[3:5]  # G [B, HV, T], or e^{G_last} [B, HV, T/64, K]
-    nr_g, nf_g = refs[5:7] if poisoned else (None, None)  # NaN rows [B, HV, T], NaN-from rows
-    m_g = refs[7 if poisoned else 5] if packed else None  # [NT, META_COLS] int32 (reset, final)
+    # poison: NaN-from rows [B, HV, T/64, V] (and, channel, NaN rows [B, HV, T])
+    n_poison = (2 if channel else 1) if poisoned else 0
+    nr_g = refs[5] if poisoned and channel else None
+    nf_g = refs[4 + n_poison] if poisoned else None
+    m_g = refs[5 + n_poison] if packed else None  # [NT, META_COLS] int32 (reset, final)
     if channel:
         iv, hv, b, cols = v_block_coords(BV)
         bs, c0, hk = b, 0, hv  # one unsplit lane per batch row; GVA expanded by the intra kernel
@@ -185,7 +190,7 @@ def _fwd_body(
             *args, S = args
             m_s = args.pop() if packed else None
             nf_s = args.pop() if poisoned else None
-            nr_s = args.pop() if poisoned else None
+            nr_s = args.pop() if poisoned and channel else None
             q_s = None if store_h else args.pop(0)
             k_s, w_s, u_s = args[:3]
             a_s = args[3] if channel and not store_h else None
@@ -232,6 +237,8 @@ def _fwd_body(
                 g_c = cp.col_vec(g_s, C)
                 gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
                 qk = cp.matmul(q_s, k_s.T, (C, C))
+                if poisoned:  # a non-finite q makes every entry of its q kᵀ row non-finite
+                    q_bad = jnp.max(jnp.where(jnp.abs(qk) < jnp.inf, 0.0, 1.0), axis=1)
                 p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)
                 p_s[...] = p.astype(dt)
                 o_inter = unstage(cp.matmul(q_s, s_ref, (C, BV)))
@@ -245,7 +252,10 @@ def _fwd_body(
                 if poisoned:  # the op's NaN: whole rows (a bad q) and columns from a row on
                     rows = cp.iota((C, BV), 0).astype(f32)
                     from_row = cp.bcast_cols(cp.col_vec(nf_s, BV), (C, BV))
-                    o = o + cp.bcast_rows(cp.row_vec(nr_s), (C, BV))
+                    if channel:
+                        o = o + cp.bcast_rows(cp.row_vec(nr_s), (C, BV))
+                    else:
+                        o = o + jnp.where(cp.bcast_rows(q_bad, (C, BV)) > 0, jnp.nan, 0.0)
                     o = o + jnp.where(rows >= from_row, jnp.nan, 0.0)
                 o_ref = o_s if o_single else o_s.at[slot]
                 o_ref[...] = o.astype(o_g.dtype)
@@ -281,10 +291,12 @@ def _fwd_body(
         else:  # G [B, HV, T]
             specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
         ins += (g_g,)
-        if poisoned:
+        if poisoned and channel:
             specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
+            ins += (nr_g,)
+        if poisoned:
             specs.append(cp.block_spec((None, None, None, BV), lambda c: (b, hv, at(c), iv)))
-            ins += (nr_g, nf_g)
+            ins += (nf_g,)
         if packed:
             specs.append(cp.block_spec((None, META_COLS), lambda c: (at(c), 0)))  # (reset, final)
             ins += (m_g,)
@@ -329,21 +341,30 @@ def _check_packed(config: ChunkFwdConfig, meta) -> None:
         raise NotImplementedError("packed states with block_v=128: no SMEM for the state staging")
 
 
-def _check_poison(poison, config: ChunkFwdConfig, B: int, HV: int, T: int, V: int) -> None:
+def _poison_inputs(poison, config: ChunkFwdConfig, channel: bool, B, HV, T, V) -> tuple:
+    """The kernel's poison inputs: ``(nan_rows, nan_from)`` for the channel loop, ``(nan_from,)``
+    for the scalar gate's (it finds the rows of a bad q itself), () without poison."""
     if poison is None:
-        return
+        return ()
     if config.store_h:
         raise ValueError("poison: the store_h loop writes no o")
-    want = ((B, HV, T), (B, HV, T // CHUNK, V))
-    got = tuple(tuple(x.shape) for x in poison)
-    if len(poison) != 2 or got != want or any(x.dtype != f32 for x in poison):
-        raise ValueError(f"poison shapes {got}: expected two f32 arrays of shapes {want}")
+    nan_rows, nan_from = poison
+    if (nan_rows is None) == channel:
+        need = "an array" if channel else "None (the loop finds the rows of a bad q itself)"
+        raise ValueError(f"poison: nan_rows must be {need}")
+    ins = (nan_rows, nan_from) if channel else (nan_from,)
+    want = ((B, HV, T), (B, HV, T // CHUNK, V))[2 - len(ins) :]
+    got = tuple(tuple(x.shape) for x in ins)
+    if got != want or any(x.dtype != f32 for x in ins):
+        raise ValueError(f"poison shapes {got}: expected f32 arrays of shapes {want}")
+    return ins
 
 
 def _launch(ins, meta, poison, config: ChunkFwdConfig, *, rows: int, name: str, **body_kw):
     """Runs the loop on its inputs ``ins`` (keys, w, u [B, T, HV, V], ..., h0 last; keys
     [B, T, ·, K] are ``ins[0]`` with ``store_h``, else ``ins[1]``) on ``rows`` lanes
-    (B · segments), with the poison inputs (or None) and the per-chunk table (or None)."""
+    (B · segments), with the poison inputs (:func:`_poison_inputs`) and the per-chunk table
+    (or None)."""
     keys = ins[0] if config.store_h else ins[1]
     u, h0 = ins[2 if config.store_h else 3], ins[-1]
     B, T, _, K = keys.shape
@@ -361,12 +382,10 @@ def _launch(ins, meta, poison, config: ChunkFwdConfig, *, rows: int, name: str, 
         )
 
     def body(*refs):
-        _fwd_body(
-            *refs, cfg=config, packed=meta is not None, poisoned=poison is not None, **body_kw
-        )
+        _fwd_body(*refs, cfg=config, packed=meta is not None, poisoned=bool(poison), **body_kw)
 
     fn = per_v_block_kernel(body, out_type, v_blocks=V // config.block_v, HV=HV, B=rows, name=name)
-    return fn(*ins, *(poison or ()), *(() if meta is None else (meta,)))
+    return fn(*ins, *poison, *(() if meta is None else (meta,)))
 
 
 def chunk_fwd(
@@ -378,7 +397,7 @@ def chunk_fwd(
     h0: jax.Array,
     config: ChunkFwdConfig,
     meta: jax.Array | None = None,
-    poison: tuple[jax.Array, jax.Array] | None = None,
+    poison: tuple[None, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The chunk loop of the scalar gate (GDN).
 
@@ -396,9 +415,9 @@ def chunk_fwd(
         sequence whose first chunk this is (its state is set to h0[that]) or -1, column 1 the
         sequence whose last chunk this is (its end state is written to final[that]) or -1.
       poison: the op's NaN, added to o as it is stored (the non-finite inputs' outputs,
-        :mod:`gdn_jax.ops._sanitize`), or None: ``(nan_rows [B, HV, T] f32`` (NaN on rows whose
-        whole output is NaN, else 0), ``nan_from [B, HV, T/64, V] f32)`` (per chunk, the row
-        from which each value column is NaN; 64: none). Not with ``store_h``.
+        :mod:`gdn_jax.ops._sanitize`), or None: ``(None, nan_from [B, HV, T/64, V] f32)``, per
+        chunk the row from which each value column is NaN (64: none); the rows of a non-finite
+        q (every entry of their q kᵀ row is non-finite) are NaN as well. Not with ``store_h``.
     Returns:
       Default: (o [B, T, HV, V] in k.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
       ``meta``, rows of sequences without chunks unwritten; [B·S, HV, K, V] with S segments and
@@ -427,7 +446,7 @@ def chunk_fwd(
     if segs > 1 and not packed and h0.shape[0] != B * segs:
         raise ValueError(f"{h0.shape=}: with segments={segs} h0 needs B·segments = {B * segs} rows")
     _check_packed(config, meta)
-    _check_poison(poison, config, B, HV, T, V)
+    poison = _poison_inputs(poison, config, False, B, HV, T, V)
     ins = (k, w, u, g_cum, h0) if config.store_h else (q, k, w, u, g_cum, h0)
     name = "gdn_chunk_h" if config.store_h else "gdn_chunk_fwd"
     body_kw = dict(channel=False, group=HV // H, nt=nt // segs)
@@ -456,7 +475,8 @@ def channel_chunk_fwd(
       h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``).
       config: :class:`ChunkFwdConfig` (segments 1).
       meta: packed sequences on one lane (B == 1): the table of :func:`chunk_fwd`.
-      poison: the op's NaN added to o, as for :func:`chunk_fwd`, or None.
+      poison: the op's NaN added to o as for :func:`chunk_fwd`, or None: ``(nan_rows [B, HV, T]
+        f32`` (NaN on the rows whose whole output is NaN, a bad q's; else 0), ``nan_from)``.
     Returns:
       Default: (o [B, T, HV, V] in kg.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
       ``meta``, rows of sequences without chunks unwritten).
@@ -483,7 +503,7 @@ def channel_chunk_fwd(
         raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
     check_meta(meta, B, nt)
     _check_packed(config, meta)
-    _check_poison(poison, config, B, HV, T, V)
+    poison = _poison_inputs(poison, config, True, B, HV, T, V)
     ins = (kg, w, u, decay_last, h0) if config.store_h else (qg, kg, w, u, aqk, decay_last, h0)
     name = "chan_chunk_h" if config.store_h else "chan_chunk_fwd"
     return _launch(ins, meta, poison, config, rows=B, name=name, channel=True, group=1, nt=nt)
