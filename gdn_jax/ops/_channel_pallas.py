@@ -87,12 +87,21 @@ from gdn_jax.ops._pallas_common import (
     wipe_first_tokens,
 )
 from gdn_jax.ops._sanitize import Poison, finite
+from gdn_jax.ops._segments import (
+    last_segment_state,
+    pad_chunks,
+    pad_tables,
+    segment_count,
+    segment_entries,
+    sm_count,
+)
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, l2norm
 from pallas_kernels import _compat as pk
-from pallas_kernels._tiles import CHUNK
+from pallas_kernels._tiles import CHUNK, LoopConfig
 from pallas_kernels.channel.intra import channel_intra
 from pallas_kernels.channel.plan import ChannelPlan, channel_plan, check_supported
+from pallas_kernels.gdn.segment_state import segment_maps
 from pallas_kernels.recurrence.chunk_fwd import channel_chunk_fwd
 
 __all__ = ["CHANNEL_PALLAS", "ChannelConfig", "channel_pallas", "decay_last", "lane_gate_cumsum"]
@@ -106,14 +115,22 @@ class ChannelConfig(CoreConfig):
 
     Attributes:
       scalar_beta: KDA form (b = w = β per token, b given as [N, Tp, HV], w None).
+      segments: the forward's state loop cuts every lane into this many segments that run in
+        parallel (:mod:`gdn_jax.ops._segments`; the lane length a multiple of 64 · segments);
+        1: the unsplit loop. The backward's loops run unsplit.
     """
 
     scalar_beta: bool = False
+    segments: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.scalar_beta, bool):
             raise TypeError(f"{self.scalar_beta=} must be a bool")
+        if not isinstance(self.segments, int) or self.segments < 1:
+            raise ValueError(f"{self.segments=} must be an int >= 1")
+        if self.segments > 1 and self.state_quant is not None:
+            raise NotImplementedError("segments > 1 with the QAT state quant (not an affine map)")
 
 
 def decay_last(G: jax.Array) -> jax.Array:
@@ -162,9 +179,18 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta
         bk = kernel_beta(b) if cfg.scalar_beta else b
         products = channel_intra(q, k, v, G, bk, w, plan.intra_config())
         qg, kg, wk, u, aqk = products[:5]
-        o, ht = channel_chunk_fwd(
-            qg, kg, wk, u, aqk, decay_last(G), h0, plan.fwd_config(cfg.scale), meta, poison
-        )
+        dl, fcfg = decay_last(G), plan.fwd_config(cfg.scale)
+        S = cfg.segments
+        if S > 1:  # the segment pass, the combine, the loop from every segment's entering state
+            B = q.shape[0]
+            lcfg = LoopConfig(cfg.scale, segments=S)
+            ends = segment_maps(kg, wk, u, dl, h0, lcfg, meta, channel=True)
+            h0s, mx, _, _ = segment_entries(ends, B, S, h0, meta)
+            fcfg = dataclasses.replace(fcfg, segments=S)
+            o, ht = channel_chunk_fwd(qg, kg, wk, u, aqk, dl, h0s, fcfg, mx, poison)
+            ht = last_segment_state(ht, B, S, h0, meta)
+        else:
+            o, ht = channel_chunk_fwd(qg, kg, wk, u, aqk, dl, h0, fcfg, meta, poison)
     return o, ht, (products if with_products else None)
 
 
@@ -262,6 +288,7 @@ def channel_pallas(
     chunk_size: int,
     qat: QATConfig | None = None,
     poison: Poison | None = None,
+    segments: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """GDN2 / KDA on the Mosaic GPU kernels; inputs already validated by the public op.
 
@@ -280,6 +307,9 @@ def channel_pallas(
       qat: optional FP8 fake quantisation of w and the chunk-entering states (fused).
       poison: the op's :class:`~gdn_jax.ops._sanitize.Poison`, put into o by the chunk loop as
         it stores it (the final state is left to the op), or None.
+      segments: how many segments the forward's state loop cuts each lane into (run in
+        parallel); None: :func:`gdn_jax.ops._segments.segment_count` of the lanes and the
+        device's SM count (1 with the QAT state quant, whose loop is not affine in the state).
     Returns:
       (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] f32 or None).
     Raises:
@@ -335,9 +365,22 @@ def channel_pallas(
             h0 = jnp.zeros((1, HV, K, V), f32)
         else:  # states set / written per sequence by the kernels, from a per-chunk table
             meta = packed_meta(layout)
+    rows = xp[0].shape[1]
+    if segments is None:
+        segments = 1
+        if cfg.state_quant is None:
+            v_blocks = V // core_plan(cfg, q, v, store_a=False).block_v
+            segments = segment_count(xp[0].shape[0], HV, rows, v_blocks, sm_count())
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"{segments=} must be None or an int >= 1")
+    cfg = dataclasses.replace(cfg, segments=segments)
+    if segments > 1:  # lanes of a multiple of 64 · segments rows (inert zero padding)
+        xp = pad_chunks(xp, (1,) * len(xp), segments)
+        meta, lp = pad_tables(meta, lp, xp[0].shape[1] // CHUNK - rows // CHUNK)
     qp, kp, vp, gp, bp = xp[:5]
     wp = None if scalar else xp[5]
     o, ht = _core(cfg, qp, kp, vp, lane_gate_cumsum(gp, floor), bp, wp, h0, meta, lp)
+    o = o[:, :rows]
 
     if cu_seqlens is None:
         return from_padded_lanes(o, None, T).astype(v.dtype), (ht if output_final_state else None)

@@ -39,12 +39,14 @@ from gdn_jax.ops._pallas_common import (
     zero_sequences_without_chunks,
 )
 from gdn_jax.ops._sanitize import Poison, finite
-from gdn_jax.ops._segments import (  # segment_starts / segment_end_cotangents: the state combine
+from gdn_jax.ops._segments import (
+    last_segment_state,
     pad_chunks,
+    pad_tables,
     segment_count,
     segment_end_cotangents,
-    segment_meta,
-    segment_starts,
+    segment_entries,
+    segment_tables,
     sm_count,
 )
 from gdn_jax.qat import QATConfig
@@ -146,17 +148,6 @@ def _segmented_forward(cfg, q, k, v, G, beta, h0, meta, poison):
         return _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, all_segments=True)
 
 
-def _segment_tables(cfg, starts, h0, meta):
-    """The chunk loops' initial-state table and per-chunk table for ``cfg.segments`` segments:
-    dense: the segment starts [B·S, HV, K, V] and no table; packed: ``[h0; starts]`` (N + S rows)
-    and :func:`segment_meta`'s table (with the per-segment 'starts with a sequence' flags)."""
-    B, S = starts.shape[:2]
-    if meta is None:
-        return starts.reshape((B * S,) + starts.shape[2:]), None, None
-    mx, first_seq = segment_meta(meta, S, h0.shape[0])
-    return jnp.concatenate([h0, starts[0]]), mx, first_seq
-
-
 def _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, *, all_segments):
     """Segment pass, combine and the chunk loop from every segment's true initial state.
 
@@ -164,17 +155,11 @@ def _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, *, all_segments):
       (o, final state (as :func:`chunk_fwd`'s without segments), (starts [B, S, HV, K, V],
       maps [B, R, HV, K, K] with R = S with ``all_segments`` else S − 1)).
     """
-    B, _, HV, V = u.shape
-    K = k.shape[-1]
-    S = cfg.segments
+    B, V = u.shape[0], u.shape[-1]
     ends = segment_maps(k, w, u, G, h0, cfg.loop_config(), meta, all_segments=all_segments)
-    ends = ends.reshape((B, -1, HV, K, V + K))
-    starts, _ = segment_starts(ends[:, : S - 1], None if meta is not None else h0)
-    maps = ends[..., V:]
-    h0s, mx, _ = _segment_tables(cfg, starts, h0, meta)
+    h0s, mx, starts, maps = segment_entries(ends, B, cfg.segments, h0, meta)
     o, ht = chunk_fwd(q, k, w, u, G, h0s, cfg.fwd_config(V), mx, poison)
-    ht = ht.reshape((B, S) + ht.shape[1:])[:, -1] if meta is None else ht[: h0.shape[0]]
-    return o, ht, (starts, maps)
+    return o, last_segment_state(ht, B, cfg.segments, h0, meta), (starts, maps)
 
 
 def _core_fwd(cfg, q, k, v, G, beta, h0, meta, poison):
@@ -253,7 +238,7 @@ def _segmented_bwd_loops(cfg, q, k, w, u, do, G, h0, dht, meta, seg):
     cotangent. Returns (h, v_new, dh, dv2, dh0) as the unsplit loops do."""
     starts, maps = seg
     B, S, HV, K, V = starts.shape
-    h0s, mx, first_seq = _segment_tables(cfg, starts, h0, meta)
+    h0s, mx, first_seq = segment_tables(starts, h0, meta)
     h, vn = chunk_fwd(None, k, w, u, G, h0s, cfg.fwd_config(V, store_h=True), mx)
     lcfg = cfg.loop_config()
     zeros = jnp.zeros((S,) + dht.shape[1:] if meta is not None else (B * S,) + dht.shape[1:], f32)
@@ -404,12 +389,7 @@ def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None, poison=None):
     rows = q.shape[1]
     if cfg.segments > 1:
         q, k, v, G, beta = pad_chunks((q, k, v, G, beta), (1, 1, 1, 2, 2), cfg.segments)
-        pad = q.shape[1] // CHUNK - rows // CHUNK
-        if meta is not None:
-            meta = jnp.concatenate([meta, jnp.full((pad, meta.shape[1]), -1, meta.dtype)])
-        if poison is not None:  # (None, nan_from): GDN's loop finds the rows of a bad q
-            nan_from = jnp.pad(poison[1], [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=CHUNK)
-            poison = (None, nan_from)
+        meta, poison = pad_tables(meta, poison, q.shape[1] // CHUNK - rows // CHUNK)
     o, ht = _core(cfg, q, k, v, G, beta, h0, meta, poison)
     return o[:, :rows], ht
 

@@ -40,6 +40,10 @@ __all__ = [
     "segment_meta",
     "segment_starts",
     "segment_end_cotangents",
+    "segment_tables",
+    "segment_entries",
+    "last_segment_state",
+    "pad_tables",
 ]
 
 SM_COUNT = 132  # H200 (and H100 SXM)
@@ -167,3 +171,57 @@ def segment_end_cotangents(maps: jax.Array, d: jax.Array, dht: jax.Array | None)
         E = jnp.einsum("bhji,bhjv->bhiv", maps[:, j], E, precision=_HI) + d[:, j]
         ends.append(E)
     return jnp.stack(ends[::-1], axis=1)
+
+
+def segment_tables(starts: jax.Array, h0: jax.Array, meta: jax.Array | None):
+    """The chunk loops' initial-state table and per-chunk table for S segments.
+
+    Args:
+      starts: [B, S, HV, K, V] f32, the state entering every segment (:func:`segment_starts`).
+      h0: [N, HV, K, V] f32 initial states (packed: of the sequences).
+      meta: the per-chunk table of packed sequences on one lane, or None (dense).
+    Returns:
+      (h0s, meta_ext, starts_seq): dense: the segment starts [B·S, HV, K, V], None, None;
+      packed: ``[h0; starts]`` (N + S rows) and :func:`segment_meta`'s table and flags.
+    """
+    B, S = starts.shape[:2]
+    if meta is None:
+        return starts.reshape((B * S,) + starts.shape[2:]), None, None
+    mx, first_seq = segment_meta(meta, S, h0.shape[0])
+    return jnp.concatenate([h0, starts[0]]), mx, first_seq
+
+
+def segment_entries(ends: jax.Array, B: int, S: int, h0: jax.Array, meta: jax.Array | None):
+    """From the segment pass to the chunk loop: the combine and the loop's tables.
+
+    Args:
+      ends: [B·R, HV, K, V + K] f32, the segment pass's ``[c_j | M_j]`` (R = S − 1 or S).
+      B: lanes; S: segments; h0, meta: as for :func:`segment_tables`.
+    Returns:
+      (h0s, meta_ext, starts [B, S, HV, K, V], maps [B, R, HV, K, K]).
+    """
+    ends = ends.reshape((B, -1) + ends.shape[1:])
+    V = ends.shape[-1] - ends.shape[-2]
+    starts, _ = segment_starts(ends[:, : S - 1], None if meta is not None else h0)
+    h0s, mx, _ = segment_tables(starts, h0, meta)
+    return h0s, mx, starts, ends[..., V:]
+
+
+def last_segment_state(ht: jax.Array, B: int, S: int, h0: jax.Array, meta) -> jax.Array:
+    """The final states from a segmented loop's: dense, each lane's last segment's end state
+    ([B·S, ...] -> [B, ...]); packed, the sequences' rows (the first N of N + S)."""
+    return ht.reshape((B, S) + ht.shape[1:])[:, -1] if meta is None else ht[: h0.shape[0]]
+
+
+def pad_tables(meta: jax.Array | None, poison, pad: int):
+    """The per-chunk table (-1 rows) and the chunk loop's poison inputs (no NaN) for ``pad``
+    more chunks of inert padding (:func:`pad_chunks`); None stays None."""
+    if meta is not None:
+        meta = jnp.concatenate([meta, jnp.full((pad, meta.shape[1]), -1, meta.dtype)])
+    if poison is not None:
+        nan_rows, nan_from = poison
+        if nan_rows is not None:
+            nan_rows = jnp.pad(nan_rows, [(0, 0), (0, 0), (0, pad * CHUNK)])
+        nan_from = jnp.pad(nan_from, [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=CHUNK)
+        poison = (nan_rows, nan_from)
+    return meta, poison

@@ -9,10 +9,12 @@ A sequence of T/64 chunks is cut into S equal segments. Over segment j the state
     v_new = [u | 0] − w S
     S     ← e^{G_last} S + kᵀ (v_new ⊙ e^{G_last − G})
 
-and writes only the end state: no h, no v_new, no output. One CTA per (segment, value head,
-64-wide block of the V + K columns); blocks past V are the map's and read no values (their
-u tile is fetched and masked to zero). The augmentation is virtual: no [u | 0] or [0 | I]
-tensor exists. With packed sequences (``meta``), a sequence's first chunk sets the value
+and writes only the end state: no h, no v_new, no output. The decay per key channel (KDA / GDN2,
+``channel``) runs its loop's update instead, on the intra kernel's decayed kg [B, T, HV, K] and
+e^{G_last} [B, HV, T/64, K]: ``S ← Diag(e^{G_last}) S + kgᵀ v_new``. One CTA per (segment,
+value head, 64-wide block of the V + K columns); blocks past V are the map's and read no
+values (their u tile is fetched and masked to zero). The augmentation is virtual: no [u | 0] or
+[0 | I] tensor exists. With packed sequences (``meta``), a sequence's first chunk sets the value
 columns to its initial state and the map columns to zero (the state no longer depends on the
 segment's input). The forward alone needs the first S − 1 segments only; the backward also
 needs the last segment's map (``all_segments``).
@@ -43,7 +45,14 @@ f32 = jnp.float32
 
 
 def _map_body(
-    *refs, cfg: LoopConfig, group: int, seg_chunks: int, rows: int, nv: int, packed: bool
+    *refs,
+    cfg: LoopConfig,
+    group: int,
+    seg_chunks: int,
+    rows: int,
+    nv: int,
+    packed: bool,
+    channel: bool,
 ):
     k_g, w_g, u_g, g_g, h0_g = refs[:5]
     m_g = refs[5] if packed else None
@@ -82,13 +91,19 @@ def _map_body(
 
                 on = row < jnp.where(reset >= 0, K, 0)
                 S = jnp.where(on, jnp.where(is_val, cp.load_tile(st_s), 0.0), S)
-            # the op's raw k: non-finite values read as 0 (a NaN state would survive a
-            # packed lane's wipe gate, 0 · NaN, into the next sequence)
-            k_s[...] = finite(cp.load_tile(k_s).astype(f32)).astype(dt)
+            if not channel:  # (the channel loop's kg comes finite from the intra kernel)
+                # the op's raw k: non-finite values read as 0 (a NaN state would survive a
+                # packed lane's wipe gate, 0 · NaN, into the next sequence)
+                k_s[...] = finite(cp.load_tile(k_s).astype(f32)).astype(dt)
             unstage = stage_columns(S, s_s, scaled)
             plgpu.commit_smem()
             ws = unstage(cp.matmul(w_s, s_s, (C, BV)))
             v_new = jnp.where(keep_u, u_s[...].astype(f32), 0.0) - ws
+            if channel:  # kg is decayed to the chunk's end already; the state decays per row
+                vd_s[...] = v_new.astype(dt)
+                plgpu.commit_smem()
+                decay = cp.bcast_rows(cp.row_vec(g_s), (K, BV))
+                return S * decay + cp.matmul(k_s.T, vd_s, (K, BV))
             g_r = cp.row_vec(g_s)
             g_last = g_s[C - 1]
             vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
@@ -101,8 +116,11 @@ def _map_body(
             cp.block_spec((None, C, None, K), lambda c: (b, at(c), hk, 0), **tile(K)),  # k
             cp.block_spec((None, C, None, K), lambda c: (b, at(c), hv, 0), **tile(K)),  # w
             cp.block_spec((None, C, None, BV), lambda c: (b, at(c), hv, iu), **tile(BV)),  # u
-            cp.block_spec((None, None, C), lambda c: (b, hv, at(c))),  # G [B, HV, T]
         ]
+        if channel:  # e^{G_last} [B, HV, T/64, K]
+            specs.append(cp.block_spec((None, None, None, K), lambda c: (b, hv, at(c), 0)))
+        else:  # G [B, HV, T]
+            specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
         ins = (k_g, w_g, u_g, g_g)
         if packed:
             specs.append(cp.block_spec((None, META_COLS), lambda c: (at(c), 0)))
@@ -126,6 +144,7 @@ def segment_maps(
     meta: jax.Array | None = None,
     *,
     all_segments: bool = False,
+    channel: bool = False,
 ) -> jax.Array:
     """The affine state map of each of the first S − 1 segments (S = ``config.segments``), or of
     all S with ``all_segments``.
@@ -133,13 +152,16 @@ def segment_maps(
     Args:
       k: [B, T, H, K] (non-finite values read as 0); w: [B, T, HV, K]; u: [B, T, HV, V] (io
         dtype); T/64 a multiple of S.
-      g_cum: [B, HV, T] f32 chunk-local cumulative log-decay.
+      g_cum: [B, HV, T] f32 chunk-local cumulative log-decay; with ``channel``, e^{G_last}
+        [B, HV, T/64, K] f32 and k is the intra kernel's kg [B, T, HV, K] (the channel loop's
+        inputs, :func:`pallas_kernels.recurrence.chunk_fwd.channel_chunk_fwd`).
       h0: [N, HV, K, V] f32 initial states of the packed sequences (read only with ``meta``).
       config: :class:`~pallas_kernels._tiles.LoopConfig` (block_v 64, segments ≥ 2; scale unused).
       meta: packed sequences on one lane (B == 1): [T/64, META_COLS] int32, column 0 the
         sequence whose first chunk this is, else -1 (as for
         :func:`pallas_kernels.recurrence.chunk_fwd.chunk_fwd`; column 1 unused).
       all_segments: run every segment (R = S rows per batch row) instead of the first S − 1.
+      channel: the decay per key channel (KDA / GDN2) instead of the scalar gate (GDN).
     Returns:
       [B·R, HV, K, V + K] f32 (R = S − 1, or S with ``all_segments``): row b·R + j holds
       ``[c_j | M_j]`` of segment j of batch row b, the end state of the segment from a zero state
@@ -161,12 +183,12 @@ def segment_maps(
 
     def body(*refs):
         _map_body(
-            *refs, cfg=config, group=HV // H, seg_chunks=nt // S, rows=R, nv=V // bv, packed=packed
-        )
+            *refs, cfg=config, group=HV // H, seg_chunks=nt // S, rows=R, nv=V // bv,
+            packed=packed, channel=channel,
+        )  # fmt: skip
 
-    fn = per_v_block_kernel(
-        body, out_type, v_blocks=(V + K) // bv, HV=HV, B=B * R, name="gdn_segment_map"
-    )
+    name = "chan_segment_map" if channel else "gdn_segment_map"
+    fn = per_v_block_kernel(body, out_type, v_blocks=(V + K) // bv, HV=HV, B=B * R, name=name)
     return fn(k, w, u, g_cum, h0, *(() if meta is None else (meta,)))
 
 

@@ -28,9 +28,9 @@ each chunk (h) and v_new instead of o and the final state: the backward's recomp
 rows (zero q, k, w, u, and a repeated cumulative gate) leave S unchanged; G_last is the cumulative
 gate of the chunk's last valid row.
 
-Segments (scalar gate, ``segments = S > 1``): each lane is cut into S segments of equal chunk
-count that run as separate CTAs from the states in ``h0`` (one row per segment; the combine pass
-that makes those states is :mod:`gdn_jax.ops._segments`).
+Segments (``segments = S > 1``): each lane is cut into S segments of equal chunk count that run as
+separate CTAs from the states in ``h0`` (one row per segment; the combine pass that makes those
+states is :mod:`gdn_jax.ops._segments`).
 
 QAT (``state_quant``): the state entering each chunk (after a packed sequence's h0 is loaded) is
 fake-quantised to FP8-E4M3 in registers (:func:`pallas_kernels.gdn.fake_quant.fake_quant_e4m3`,
@@ -144,14 +144,10 @@ def _fwd_body(
     nr_g = refs[5] if poisoned and channel else None
     nf_g = refs[4 + n_poison] if poisoned else None
     m_g = refs[5 + n_poison] if packed else None  # [NT, META_COLS] int32 (reset, final)
-    if channel:
-        iv, hv, b, cols = v_block_coords(BV)
-        bs, c0, hk = b, 0, hv  # one unsplit lane per batch row; GVA expanded by the intra kernel
-    else:
-        iv, hv, _, cols = v_block_coords(BV)
-        # segments: this CTA runs chunks c0 … c0 + nt − 1 of batch row b; bs is its state row
-        b, bs, c0 = segment_coords(cfg.segments, nt)
-        hk = hv // group
+    iv, hv, _, cols = v_block_coords(BV)
+    # segments: this CTA runs chunks c0 … c0 + nt − 1 of batch row b; bs is its state row
+    b, bs, c0 = segment_coords(cfg.segments, nt)
+    hk = hv if channel else hv // group  # (the channel loop's GVA is expanded by its intra kernel)
     at = lambda c: chunk_offset(c0, c)  # noqa: E731
     K = k_g.shape[-1]
     dt = k_g.dtype
@@ -284,10 +280,10 @@ def _fwd_body(
         ]
         ins = (k_g, w_g, u_g) if store_h else (q_g, k_g, w_g, u_g)
         if channel and not store_h:
-            specs.append(cp.block_spec((None, C, None, C), lambda c: (b, c, hv, 0), **tile(C)))
+            specs.append(cp.block_spec((None, C, None, C), lambda c: (b, at(c), hv, 0), **tile(C)))
             ins += (a_g,)
         if channel:  # e^{G_last} per key channel
-            specs.append(cp.block_spec((None, None, None, K), lambda c: (b, hv, c, 0)))
+            specs.append(cp.block_spec((None, None, None, K), lambda c: (b, hv, at(c), 0)))
         else:  # G [B, HV, T]
             specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
         ins += (g_g,)
@@ -334,6 +330,18 @@ def _check_state_quant(config: ChunkFwdConfig, V: int) -> None:
             f"V={V}, block_v={config.block_v}: QAT state granularity 'matrix' needs the "
             "whole K×V state in one CTA (block_v == V); use 'column' or block_v=V"
         )
+
+
+def _check_segments(config: ChunkFwdConfig, shape, nt: int, packed: bool, h0) -> int:
+    """The segment count, checked against the lanes (``shape`` [B, T, ...]) and h0's rows."""
+    segs, B = config.segments, shape[0]
+    if nt % segs:
+        raise ValueError(f"{shape=}, segments={segs}: T / 64 must be a multiple of segments")
+    if segs > 1 and config.state_quant is not None:
+        raise NotImplementedError("segments > 1 with the QAT state quant (not an affine map)")
+    if segs > 1 and not packed and h0.shape[0] != B * segs:
+        raise ValueError(f"{h0.shape=}: with segments={segs} h0 needs B·segments = {B * segs} rows")
+    return segs
 
 
 def _check_packed(config: ChunkFwdConfig, meta) -> None:
@@ -438,13 +446,7 @@ def chunk_fwd(
     nt = T // CHUNK
     packed = meta is not None
     check_meta(meta, B, nt)
-    segs = config.segments
-    if nt % segs:
-        raise ValueError(f"{k.shape=}, segments={segs}: T / 64 must be a multiple of segments")
-    if segs > 1 and config.state_quant is not None:
-        raise NotImplementedError("segments > 1 with the QAT state quant (not an affine map)")
-    if segs > 1 and not packed and h0.shape[0] != B * segs:
-        raise ValueError(f"{h0.shape=}: with segments={segs} h0 needs B·segments = {B * segs} rows")
+    segs = _check_segments(config, k.shape, nt, packed, h0)
     _check_packed(config, meta)
     poison = _poison_inputs(poison, config, False, B, HV, T, V)
     ins = (k, w, u, g_cum, h0) if config.store_h else (q, k, w, u, g_cum, h0)
@@ -472,21 +474,23 @@ def channel_chunk_fwd(
         qg unused/None with ``store_h``. T a multiple of 64.
       u: [B, T, HV, V]; aqk: [B, T, HV, 64] (None with ``store_h``).
       decay_last: [B, HV, T/64, K] f32, e^{G_last} per chunk and key channel.
-      h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``).
-      config: :class:`ChunkFwdConfig` (segments 1).
+      h0: [B, HV, K, V] f32 initial state ([N, HV, K, V] with ``meta``); with segments, the
+        state entering each segment, as for :func:`chunk_fwd`.
+      config: :class:`ChunkFwdConfig`.
       meta: packed sequences on one lane (B == 1): the table of :func:`chunk_fwd`.
       poison: the op's NaN added to o as for :func:`chunk_fwd`, or None: ``(nan_rows [B, HV, T]
         f32`` (NaN on the rows whose whole output is NaN, a bad q's; else 0), ``nan_from)``.
     Returns:
       Default: (o [B, T, HV, V] in kg.dtype, final state [B, HV, K, V] f32; [N, HV, K, V] with
-      ``meta``, rows of sequences without chunks unwritten).
+      ``meta``, rows of sequences without chunks unwritten; [B·S, HV, K, V] with S segments and
+      no ``meta``: each segment's end state).
       ``store_h``: (h [B, T/64, HV, K, V] in kg.dtype (f32 for f16 io), the state entering each
       chunk; v_new [B, T, HV, V] in kg.dtype).
     Raises:
       NotImplementedError: f16 io with ``store_h`` at K = block_v = 128 (the f32 h tiles do not
         fit in shared memory; block_v = 64 does); ``meta`` with block_v = 128 (no shared memory
         for the state staging tile); ``state_quant="matrix"`` with block_v < V (the state's
-        scale needs all of it in one CTA); segments > 1.
+        scale needs all of it in one CTA); segments with the QAT state quant.
     """
     B, T, HV, K = kg.shape
     V = u.shape[3]
@@ -499,11 +503,11 @@ def channel_chunk_fwd(
         )
     _check_state_quant(config, V)
     nt = T // CHUNK
-    if config.segments != 1:
-        raise NotImplementedError(f"{config.segments=}: the channel loops run unsplit")
     check_meta(meta, B, nt)
+    segs = _check_segments(config, kg.shape, nt, meta is not None, h0)
     _check_packed(config, meta)
     poison = _poison_inputs(poison, config, True, B, HV, T, V)
     ins = (kg, w, u, decay_last, h0) if config.store_h else (qg, kg, w, u, aqk, decay_last, h0)
     name = "chan_chunk_h" if config.store_h else "chan_chunk_fwd"
-    return _launch(ins, meta, poison, config, rows=B, name=name, channel=True, group=1, nt=nt)
+    body_kw = dict(channel=True, group=1, nt=nt // segs)
+    return _launch(ins, meta, poison, config, rows=B * segs, name=name, **body_kw)
