@@ -9,7 +9,8 @@ chunks into S equal segments that run in parallel:
    true initial state;
 3. the chunk loop with ``segments = S``, each segment from its own initial state.
 
-The backward mirrors it for the state cotangent: the reverse loop's map over a segment is the
+GDN's backward mirrors it for the state cotangent (KDA's and GDN2's backward loops run
+unsplit; their forward splits as above): the reverse loop's map over a segment is the
 transpose of the forward map, so ``dE_{j−1} = M_jᵀ dE_j + d_j`` (:func:`segment_end_cotangents`),
 with d_j the start cotangent of segment j from a zero end cotangent (the reverse loop's
 ``state_only`` pass). Packed sequences on one lane keep their per-chunk table: segments do not
