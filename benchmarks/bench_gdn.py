@@ -25,7 +25,7 @@ short keeps what it measured.
 Long context (``benchmarks.shapes.LONG_CONTEXT``, packed ``_P`` shapes run with ``cu_seqlens``):
 every row prints the segment count the pallas path picks (``pallas_segments``); on shapes where
 that count is > 1, ``--segments 1 2 8`` also times the pallas path at those forced counts, and
-``--stages`` then times the kernels of the segmented loops too (dense shapes).
+for GDN ``--stages`` then times the kernels of the segmented loops too (dense shapes).
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ def bench_jax(
     segments=None,
 ) -> dict:
     """Times of one implementation; q, k, v, do and the gates β, b, w in the io ``dtype`` (the
-    tensors FLA's op gets, :func:`_fla_calls`), the log-decay g f32. ``segments``
-    (gdn, pallas): force the segment count of the chunk loops."""
+    tensors FLA's op gets, :func:`_fla_calls`), the log-decay g f32. ``segments`` (pallas):
+    force the segment count of the forward's chunk loop (GDN: and of the backward's)."""
     import gdn_jax
 
     bf = jnp.dtype(dtype)
@@ -172,8 +172,8 @@ def bench_jax(
     fn = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}[variant]
     cu = s.cu_seqlens()
     kw = {} if cu is None else {"cu_seqlens": jnp.asarray(cu, jnp.int32)}
-    if segments is not None and (variant != "gdn" or impl != "pallas"):
-        raise ValueError(f"{segments=} needs variant 'gdn' and impl 'pallas'")
+    if segments is not None and impl != "pallas":
+        raise ValueError(f"{segments=} needs impl 'pallas'")
 
     def op(*a):
         return fn(*a, implementation=impl, qat=qat, **kw)[0]
@@ -182,7 +182,7 @@ def bench_jax(
     # do is an argument, not a closure constant: XLA would constant-fold its transposes (minutes)
     args = (q, k, v) + gate_args
     fb = jax.jit(forward_backward(op))
-    with forced_segments(segments):  # active while the programs are traced (first call)
+    with forced_segments(segments, variant):  # active while the programs are traced (first call)
         r = {} if skip_fwd else {"fwd_ms": time_jax(fwd, args)}
         if not fwd_only:
             r["fwdbwd_ms"] = time_jax(fb, (*args, do), iters=10)
@@ -202,14 +202,16 @@ def forward_backward(op):
     return run
 
 
-def forced_segments(segments: int | None):
-    """Context in which the public GDN op uses ``segments`` segments (None: its own choice), so
-    that forced counts are timed through the same op (input sanitation included) as the default."""
+def forced_segments(segments: int | None, variant: str = "gdn"):
+    """Context in which the public op of ``variant`` uses ``segments`` segments (None: its own
+    choice), so that forced counts are timed through the same op (input sanitation included) as
+    the default."""
     if segments is None:
         return contextlib.nullcontext()
-    from gdn_jax.ops import _gdn_pallas
+    from gdn_jax.ops import _channel_pallas, _gdn_pallas
 
-    return mock.patch.object(_gdn_pallas, "_segments_for", lambda *a, **kw: segments)
+    glue = _gdn_pallas if variant == "gdn" else _channel_pallas
+    return mock.patch.object(glue, "_segments_for", lambda *a, **kw: segments)
 
 
 QAT_CONFIGS = ("off", "column_row", "matrix_tile")
@@ -336,13 +338,18 @@ def bench_stages(s, x) -> dict:
     }
 
 
-def segments_chosen(s) -> int:
-    """The segment count the pallas path picks for a shape on this device."""
-    from gdn_jax.ops._gdn_pallas import PallasConfig, _segments_for
+def segments_chosen(s, variant: str = "gdn", dtype: str = "bfloat16") -> int:
+    """The segment count the pallas path of ``variant`` picks for a shape on this device."""
+    from gdn_jax.ops import _channel_pallas, _gdn_pallas
 
     cu = s.cu_seqlens()
     cu = None if cu is None else jnp.asarray(cu, jnp.int32)
-    return _segments_for(PallasConfig(scale=1.0), s.B, s.T, s.HV, s.V, cu)
+    if variant == "gdn":
+        return _gdn_pallas._segments_for(
+            _gdn_pallas.PallasConfig(scale=1.0), s.B, s.T, s.HV, s.V, cu
+        )
+    cfg = _channel_pallas.ChannelConfig(scale=1.0, scalar_beta=variant == "kda")
+    return _channel_pallas._segments_for(cfg, s.B, s.T, s.HV, s.K, s.V, jnp.dtype(dtype), cu)
 
 
 def bench_segment_stages(s, x, S: int) -> dict:
@@ -601,7 +608,7 @@ def main(argv=None):
     )  # fmt: skip
     p.add_argument(
         "--segments", nargs="*", type=int, default=None,
-        help="gdn: also time the pallas path at these forced segment counts",
+        help="also time the pallas path at these forced segment counts",
     )  # fmt: skip
     a = p.parse_args(argv)
 
@@ -636,8 +643,8 @@ def main(argv=None):
         s = SHAPES[name]
         x = inputs(s, variant=a.variant)
         row = {"shape": name, "variant": a.variant, "dtype": a.dtype, **roofline(s)}
-        if a.variant == "gdn":
-            row["pallas_segments"] = segments_chosen(s)
+        if "pallas" in a.impls:
+            row["pallas_segments"] = segments_chosen(s, a.variant, a.dtype)
             print(name, "pallas segments", row["pallas_segments"], flush=True)
         for impl in a.impls:
             try:
@@ -663,7 +670,10 @@ def main(argv=None):
                     row["pallas_stages_ms"] = bench_channel_stages(s, x, a.variant)
             except Exception as e:  # noqa: BLE001
                 row["pallas_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            for S in sorted({*(a.segments or ()), row["pallas_segments"]} - {1}) if split else ():
+            gdn_split = split and a.variant == "gdn"  # (the kernels of GDN's segmented loops)
+            for S in (
+                sorted({*(a.segments or ()), row["pallas_segments"]} - {1}) if gdn_split else ()
+            ):
                 try:
                     row["pallas_stages_ms"].update(bench_segment_stages(s, x, S))
                 except Exception as e:  # noqa: BLE001

@@ -68,6 +68,22 @@ def test_segment_count_follows_the_sm_count():
     assert segment_count(1, 16, 32768, 2, sms=48) == 1
 
 
+def test_channel_default_segments():
+    """KDA/GDN2's forward loop splits as GDN's does (64-column value blocks): B1 T32768 HV16 in
+    8 segments (packed: one lane), B4 T4096 not at all, and never with the QAT state quant."""
+    from gdn_jax.ops._channel_pallas import ChannelConfig, _segments_for
+    from gdn_jax.qat import QATConfig
+
+    cfg = ChannelConfig(scale=1.0, scalar_beta=True)
+    bf = jnp.bfloat16
+    cu = jnp.asarray([0, 1000, 32768], jnp.int32)
+    assert _segments_for(cfg, 1, 32768, 16, 128, 128, bf, None) == 8
+    assert _segments_for(cfg, 1, 32768, 16, 128, 128, bf, cu) == 8
+    assert _segments_for(cfg, 4, 4096, 16, 128, 128, bf, None) == 1
+    qat = ChannelConfig(scale=1.0, qat=QATConfig(sites=("state",)))
+    assert _segments_for(qat, 1, 32768, 16, 128, 128, bf, None) == 1
+
+
 @pytest.mark.parametrize("bad", [dict(B=0), dict(HV=-1), dict(T=1.5), dict(sms=0)])
 def test_segment_count_rejects_bad_arguments(bad):
     kw = dict(B=1, HV=16, T=4096, v_blocks=2) | bad

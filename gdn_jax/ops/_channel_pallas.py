@@ -367,10 +367,7 @@ def channel_pallas(
             meta = packed_meta(layout)
     rows = xp[0].shape[1]
     if segments is None:
-        segments = 1
-        if cfg.state_quant is None:
-            v_blocks = V // core_plan(cfg, q, v, store_a=False).block_v
-            segments = segment_count(xp[0].shape[0], HV, rows, v_blocks, sm_count())
+        segments = _segments_for(cfg, B, T, HV, K, V, q.dtype, cu_seqlens)
     if not isinstance(segments, int) or segments < 1:
         raise ValueError(f"{segments=} must be None or an int >= 1")
     cfg = dataclasses.replace(cfg, segments=segments)
@@ -387,6 +384,17 @@ def channel_pallas(
     if meta is not None:
         ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
     return from_one_lane(o, layout, T).astype(v.dtype), (ht if output_final_state else None)
+
+
+def _segments_for(cfg: ChannelConfig, B: int, T: int, HV: int, K: int, V: int, dtype, cu_seqlens):
+    """The default segment count of the forward's state loop: from the lanes the kernels will
+    run (one lane of about T + 64 N rows with ``cu_seqlens``, else B lanes of T) and the device's
+    SM count (1 with the QAT state quant, whose loop is not affine in the state)."""
+    if cfg.state_quant is not None:
+        return 1
+    lanes, rows = (B, T) if cu_seqlens is None else (1, T + CHUNK * (cu_seqlens.shape[0] - 1))
+    plan = channel_plan(dtype, K, V, scalar_beta=cfg.scalar_beta, store_a=False)
+    return segment_count(lanes, HV, rows, V // plan.block_v, sm_count())
 
 
 CHANNEL_PALLAS = {"kda": channel_pallas, "gdn2": channel_pallas}
