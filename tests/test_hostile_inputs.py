@@ -324,7 +324,8 @@ def _poison_on_the_lanes(variant, B, states, T, mode):
     """The Pallas paths put the op's NaN into o as the chunk loop stores it, in lane
     coordinates: dense rows (B = 2) or packed sequences on one lane (B = 1: an empty sequence,
     one ending mid-chunk; the wipe gate without states, the per-chunk table with them), with
-    GVA. NaN exactly where the xla path has it, the other values close to its."""
+    GVA (and, on the GPU at T = 4096, segments). NaN exactly where the xla path has it, the
+    other values close to its."""
     pk = pytest.importorskip("pallas_kernels._compat")
     args, h0 = op_args(variant, B=B, T=T, H=1, HV=2, K=64, V=64, seed=3)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
@@ -359,9 +360,16 @@ def _poison_on_the_lanes(variant, B, states, T, mode):
 
 
 @pytest.mark.parametrize(
-    "variant,B,states", [("gdn", 2, True), ("gdn", 1, False), ("gdn", 1, True), ("kda", 1, True)]
-)
-def test_pallas_interpreter_poison_on_the_lanes(variant, B, states):
+    "variant,B,states,segments",
+    [("gdn", 2, True, 1), ("gdn", 1, False, 1), ("gdn", 1, True, 2), ("kda", 1, True, 1),
+     ("kda", 1, False, 2)],
+)  # fmt: skip
+def test_pallas_interpreter_poison_on_the_lanes(variant, B, states, segments, monkeypatch):
+    """(segments 2: the lane's chunk loop split in two, the poison's tables padded with it)"""
+    from gdn_jax.ops import _channel_pallas, _gdn_pallas
+
+    glue = _gdn_pallas if variant == "gdn" else _channel_pallas
+    monkeypatch.setattr(glue, "_segments_for", lambda *a, **kw: segments)
     _poison_on_the_lanes(variant, B, states, 128, "interpret")
 
 
