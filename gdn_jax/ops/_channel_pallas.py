@@ -88,12 +88,11 @@ from gdn_jax.ops._pallas_common import (
 )
 from gdn_jax.ops._sanitize import Poison, finite
 from gdn_jax.ops._segments import (
+    lane_segment_count,
     last_segment_state,
     pad_chunks,
     pad_tables,
-    segment_count,
     segment_entries,
-    sm_count,
 )
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, l2norm
@@ -348,17 +347,15 @@ def channel_pallas(
 
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    meta = lp = None
+    meta = None
     floor = MIN_LOG_DECAY  # (None where g is clamped already)
     if cu_seqlens is None:  # one zero-padded lane per batch row
         Tp = -(-T // CHUNK) * CHUNK
         xp = padded_lanes(xs, None, T, Tp)
-        if poison is not None:
-            lp = lane_poison(poison, None, T, Tp, rows=True)
+        lp = lane_poison(poison, None, T, Tp, q_rows=True)
     else:  # all sequences back to back on one lane, each starting at a chunk boundary
         xp, layout = one_lane(xs, cu_seqlens, T)
-        if poison is not None:
-            lp = lane_poison(poison, cu_seqlens, T, 0, layout, rows=True)
+        lp = lane_poison(poison, cu_seqlens, T, 0, layout, q_rows=True)
         if initial_state is None and not output_final_state:  # the state wiped at each start
             xp[3] = wipe_first_tokens(clamped_log_decay(xp[3], MIN_LOG_DECAY), layout)
             floor = None
@@ -392,9 +389,8 @@ def _segments_for(cfg: ChannelConfig, B: int, T: int, HV: int, K: int, V: int, d
     SM count (1 with the QAT state quant, whose loop is not affine in the state)."""
     if cfg.state_quant is not None:
         return 1
-    lanes, rows = (B, T) if cu_seqlens is None else (1, T + CHUNK * (cu_seqlens.shape[0] - 1))
     plan = channel_plan(dtype, K, V, scalar_beta=cfg.scalar_beta, store_a=False)
-    return segment_count(lanes, HV, rows, V // plan.block_v, sm_count())
+    return lane_segment_count(B, T, HV, V // plan.block_v, cu_seqlens)
 
 
 CHANNEL_PALLAS = {"kda": channel_pallas, "gdn2": channel_pallas}

@@ -40,14 +40,13 @@ from gdn_jax.ops._pallas_common import (
 )
 from gdn_jax.ops._sanitize import Poison, finite
 from gdn_jax.ops._segments import (
+    lane_segment_count,
     last_segment_state,
     pad_chunks,
     pad_tables,
-    segment_count,
     segment_end_cotangents,
     segment_entries,
     segment_tables,
-    sm_count,
 )
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import L2NORM_EPS
@@ -368,7 +367,7 @@ def gated_delta_rule_pallas(
 
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     Gp, bp = _kernel_gates(gp, bp)
-    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, Tp, rows=False)
+    lp = lane_poison(poison, cu_seqlens, T, Tp, q_rows=False)
     o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, lp)
     o = from_padded_lanes(o, cu_seqlens, T)
     return o.astype(v.dtype), (ht if output_final_state else None)
@@ -379,8 +378,7 @@ def _segments_for(cfg: PallasConfig, B: int, T: int, HV: int, V: int, cu_seqlens
     T + 64 N rows with ``cu_seqlens``, else B lanes of T) and the device's SM count."""
     if cfg.state_quant is not None:
         return 1
-    lanes, rows = (B, T) if cu_seqlens is None else (1, T + CHUNK * (cu_seqlens.shape[0] - 1))
-    return segment_count(lanes, HV, rows, V // cfg.fwd_config(V).block_v, sm_count())
+    return lane_segment_count(B, T, HV, V // cfg.fwd_config(V).block_v, cu_seqlens)
 
 
 def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None, poison=None):
@@ -415,7 +413,7 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens, poison):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(wipe_first_tokens(gp, layout), bp)
     h0 = jnp.zeros((1, HV, K, V), f32)
-    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, 0, layout, rows=False)
+    lp = lane_poison(poison, cu_seqlens, T, 0, layout, q_rows=False)
     o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, lp)
     return from_one_lane(o, layout, T).astype(v.dtype)
 
@@ -434,7 +432,7 @@ def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state, poison):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(gp, bp)
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    lp = None if poison is None else lane_poison(poison, cu_seqlens, T, 0, layout, rows=False)
+    lp = lane_poison(poison, cu_seqlens, T, 0, layout, q_rows=False)
     o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, packed_meta(layout), lp)
     ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
     return from_one_lane(o, layout, T).astype(v.dtype), ht

@@ -168,34 +168,36 @@ def zero_sequences_without_chunks(x: jax.Array, meta: jax.Array) -> jax.Array:
 
 
 def lane_poison(
-    poison: Poison,
+    poison: Poison | None,
     cu_seqlens: jax.Array | None,
     T: int,
     Tp: int,
     layout: ChunkLayout | None = None,
     *,
-    rows: bool,
-) -> tuple[jax.Array | None, jax.Array]:
+    q_rows: bool,
+) -> tuple[jax.Array | None, jax.Array] | None:
     """The op's :class:`~gdn_jax.ops._sanitize.Poison` in lane coordinates, as the chunk loops
     add it to o (:func:`pallas_kernels.recurrence.chunk_fwd.chunk_fwd`'s ``poison``).
 
     Args:
-      poison: the Poison of the op's inputs (token coordinates).
+      poison: the Poison of the op's inputs (token coordinates), or None (then None).
       cu_seqlens: [N + 1] int32 or None (dense).
       T: tokens; Tp: the lane length of :func:`padded_lanes` (dense, or a lane per sequence).
       layout: :func:`one_lane`'s layout when the sequences share one lane (then Tp is unused).
-      rows: lay out the rows of a bad q too (the channel loop's input; GDN's loop finds them).
+      q_rows: lay out the rows of a bad q too (the channel loop's input; GDN's loop finds them).
     Returns:
-      (nan_rows [L, HV, rows] f32 (None unless ``rows``): NaN on the rows whose whole output is
-      NaN (a bad q), else 0;
+      (nan_rows [L, HV, rows] f32 (None unless ``q_rows``): NaN on the rows whose whole output
+      is NaN (a bad q), else 0;
       nan_from [L, HV, rows/64, V] f32: per chunk, the row from which each value column is NaN,
       64 where it is not), for the lanes (L, rows) of that layout.
     """
-    rows_nan = jnp.where(poison.now, jnp.nan, 0.0).astype(f32) if rows else None  # [B, T, HV]
+    if poison is None:
+        return None
+    rows_nan = jnp.where(poison.now, jnp.nan, 0.0).astype(f32) if q_rows else None  # [B, T, HV]
     first = poison.first  # [N, HV, V], token index (absolute with cu_seqlens)
     if layout is not None:  # one lane: each chunk's sequence and first token
         nc = layout.token.shape[1]
-        lane_rows = to_chunks(rows_nan, layout).reshape(1, nc * CHUNK, -1) if rows else None
+        lane_rows = to_chunks(rows_nan, layout).reshape(1, nc * CHUNK, -1) if q_rows else None
         seq = layout.seq[0]
         pad = seq >= first.shape[0]
         tok0 = jnp.where(pad, 0, layout.token[0, :, 0])
@@ -203,9 +205,9 @@ def lane_poison(
         frm = jnp.where(pad[:, None, None], CHUNK, frm)[None]
     else:
         nc = Tp // CHUNK
-        lane_rows = padded_lanes([rows_nan], cu_seqlens, T, Tp)[0] if rows else None
+        lane_rows = padded_lanes([rows_nan], cu_seqlens, T, Tp)[0] if q_rows else None
         c0 = CHUNK * jnp.arange(nc, dtype=jnp.int32)
         tok0 = c0 if cu_seqlens is None else cu_seqlens[:-1, None].astype(jnp.int32) + c0
         frm = first[:, None] - jnp.broadcast_to(tok0, (first.shape[0], nc))[..., None, None]
     nan_from = jnp.clip(frm, 0, CHUNK).astype(f32).transpose(0, 2, 1, 3)
-    return (lane_rows.transpose(0, 2, 1) if rows else None), nan_from
+    return (lane_rows.transpose(0, 2, 1) if q_rows else None), nan_from

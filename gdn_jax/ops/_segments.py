@@ -36,6 +36,7 @@ __all__ = [
     "MAX_SEGMENTS",
     "CTAS_PER_SM",
     "segment_count",
+    "lane_segment_count",
     "sm_count",
     "pad_chunks",
     "segment_meta",
@@ -82,6 +83,14 @@ def segment_count(B: int, HV: int, T: int, v_blocks: int, sms: int = SM_COUNT) -
     nt = -(-T // CHUNK)
     s = min(CTAS_PER_SM * sms // ctas, nt // MIN_SEGMENT_CHUNKS, MAX_SEGMENTS)
     return s if s >= 2 else 1
+
+
+def lane_segment_count(B: int, T: int, HV: int, v_blocks: int, cu_seqlens) -> int:
+    """:func:`segment_count` for the lanes the kernels will run on these inputs: B lanes of T
+    rows, or with ``cu_seqlens`` ([N + 1]) one lane of about T + 64 N rows; the device's SM
+    count."""
+    lanes, rows = (B, T) if cu_seqlens is None else (1, T + CHUNK * (cu_seqlens.shape[0] - 1))
+    return segment_count(lanes, HV, rows, v_blocks, sm_count())
 
 
 def sm_count() -> int:

@@ -206,11 +206,11 @@ def _fwd_body(
             # with f16 h is stored from the f32 tile, so the staged one is not a TMA source
             s_ref = s_s.at[slot] if store_h and not scaled else s_s
             vn_ref = vn_s.at[slot] if store_h else vn_s
-            if not channel:
+            if not channel and not store_h:  # (the backward's recomputation reads finite k)
                 # the op's raw k: non-finite values read as 0 (a NaN state would survive a
                 # packed lane's wipe gate, 0 · NaN, into the next sequence). A bad q reaches
-                # only its own row of o (q S and the causal q kᵀ are row-wise), which the op
-                # poisons anyway.
+                # only its own row of o (q S and the causal q kᵀ are row-wise), which the
+                # poison below makes NaN.
                 k_s[...] = finite(cp.load_tile(k_s).astype(f32)).astype(dt)
             unstage = stage_columns(S, s_ref, scaled)
             if store_h and scaled:
