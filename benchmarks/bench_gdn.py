@@ -657,7 +657,9 @@ def main(argv=None):
         split = row.get("pallas_segments", 1) > 1  # forced counts: where the path splits
         for S in (a.segments or ()) if split else ():
             try:
-                r = bench_jax(s, "pallas", x, fwd_only=a.fwd_only, dtype=a.dtype, segments=S)
+                r = bench_jax(
+                    s, "pallas", x, a.variant, fwd_only=a.fwd_only, dtype=a.dtype, segments=S
+                )
             except Exception as e:  # noqa: BLE001
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             row.setdefault("pallas_by_segments", {})[str(S)] = r
