@@ -42,16 +42,15 @@ kernel does.
 Precision: K-contractions, A and every accumulation in f32; wgmma operands (the factored k, q,
 A, the gated v) are 16-bit. Outputs are stored in the io dtype.
 
-f16 io (q, k, v and the outputs f16): the factored operands of L and Aqk,
-``x_i e^{G_i − r_J}`` and ``k_j e^{r_J − G_j}``, reach e^{8·|g|} (e^{40} at log-decay −5 per
-token), beyond f16's 65504, and span more than its dynamic range within a block, so they are
-staged as f32 tiles rounded to tf32 (:func:`pallas_kernels._tiles.round_tf32`: f32's range,
-f16's 11-bit significand) and multiplied by one tf32 wgmma: half the bf16 rate, where a bf16
-hi/lo pair (hi·hi + hi·lo + lo·hi) would take three bf16 products and the same shared memory.
-Everything else stays f16: A (|A| bounded
-by the inverse's size), the gated k and v operands of w and u (factors ≤ 1), qg, kg (factors
-≤ 1), Aqk (≤ |q||k|). Values below f16's smallest normal (6.1e-5, e.g. qg and w rows under
-strong decay) are stored subnormal, like any f16 rounding of them.
+f16 io (q, k, v and the outputs f16): the factored operands of L and Aqk, ``x_i e^{G_i − r_J}`` and
+``k_j e^{r_J − G_j}``, reach e^{8·|g|} (e^{40} at log-decay −5 per token), beyond f16's 65504, and
+span more than its dynamic range within a block, so they are staged as f32 tiles rounded to tf32
+(:func:`pallas_kernels._tiles.round_tf32`: f32's range, f16's 11-bit significand) and multiplied by
+one tf32 wgmma: half the bf16 rate, where a bf16 hi/lo pair (hi·hi + hi·lo + lo·hi) would take three
+bf16 products and the same shared memory. Everything else stays f16: A (|A| bounded by the inverse's
+size), the gated k and v operands of w and u (factors ≤ 1), qg, kg (factors ≤ 1), Aqk (≤ |q||k|).
+Values below f16's smallest normal (6.1e-5, e.g. qg and w rows under strong decay) are stored
+subnormal, like any f16 rounding of them.
 """
 
 from __future__ import annotations
@@ -235,10 +234,9 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     test_lowers_for_cuda checks each kernel's count against its plan's budget).
 
     f16 io: the L operands are two [C, 64] f32 tiles (32 768 B) in each pass's scope (the f16
-    staging tiles cannot hold f32). To stay under half an SM, the
-    inverse scratch x, oy and the output staging (32 768 B, used only after the L passes) are
-    allocated in the tail's scope instead of "always": peak = always (32 880 / 33 096) +
-    L pass (66 560 / 58 400).
+    staging tiles cannot hold f32). To stay under half an SM, the inverse scratch x, oy and the
+    output staging (32 768 B, used only after the L passes) are allocated in the tail's scope
+    instead of "always": peak = always (32 880 / 33 096) + L pass (66 560 / 58 400).
     """
     scalar = cfg.scalar_beta
     if scalar:
