@@ -403,17 +403,18 @@ def bench_segment_stages(s, x, S: int) -> dict:
     }
 
 
-def bench_channel_stages(s, x, variant) -> dict:
+def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     """Per-kernel times of the GDN2/KDA pallas forward and backward (padded layout, T a multiple
-    of 64): ``chan_intra`` (its two kernels, wy and qk) as inference runs it,
-    ``chan_intra(store_a…)`` as a differentiated forward runs it (keeping A for the backward),
-    then the backward's kernels in the order
-    :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them. ``…(k_split)``
-    times the variant of a backward kernel with one CTA per half of K. ``sanitize_inputs`` and
-    ``poison_output`` time the public op's edge-value handling (XLA), ``gate_clamp_cumsum`` the
-    glue's gate clamp and chunk-local cumsum (the ``gate_cumsum`` kernel where it serves, which
-    clamps as it reads), ``gate_cumsum_bwd`` their VJP (the ``gate_cumsum_rev`` kernel and the
-    clamp's derivative)."""
+    of 64) in the io ``dtype``, each kernel in the form the call's plan picks
+    (:func:`pallas_kernels.channel.plan.channel_plan`): ``chan_intra`` (its two kernels, wy and
+    qk) as inference runs it, ``chan_intra(store_a)`` as a differentiated forward runs it
+    (keeping A for the backward), then the backward's kernels in the order
+    :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them, the dq/dk/dw and
+    WY kernels named with their form. ``sanitize_inputs`` and ``poison_output`` time the public
+    op's edge-value handling (XLA), ``gate_clamp_cumsum`` the glue's gate clamp and chunk-local
+    cumsum (the ``gate_cumsum`` kernel where it serves, which clamps as it reads),
+    ``gate_cumsum_bwd`` their VJP (the ``gate_cumsum_rev`` kernel and the clamp's
+    derivative)."""
     from gdn_jax.ops import _sanitize
     from gdn_jax.ops._channel_pallas import (
         MIN_LOG_DECAY,
@@ -423,12 +424,13 @@ def bench_channel_stages(s, x, variant) -> dict:
     )
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.channel.bwd_dqkw import channel_bwd_dqkw
-    from pallas_kernels.channel.bwd_wy import ChannelBwdWyConfig, channel_bwd_wy
-    from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra, reference_rows
+    from pallas_kernels.channel.bwd_wy import channel_bwd_wy
+    from pallas_kernels.channel.intra import channel_intra, reference_rows
+    from pallas_kernels.channel.plan import channel_plan
     from pallas_kernels.recurrence.bwd_dh import channel_bwd_dh
-    from pallas_kernels.recurrence.chunk_fwd import ChunkFwdConfig, channel_chunk_fwd
+    from pallas_kernels.recurrence.chunk_fwd import channel_chunk_fwd
 
-    bf = jnp.bfloat16
+    bf = jnp.dtype(dtype)
     q, k, v = (jnp.asarray(x[n], bf) for n in ("q", "k", "v"))
     B, T, HV, K = s.B, s.T, s.HV, s.K
     scale = K**-0.5
@@ -438,21 +440,23 @@ def bench_channel_stages(s, x, variant) -> dict:
         gates = (kernel_beta(jnp.asarray(x["beta"])), None)
     else:
         gates = (jnp.asarray(x["b"]), jnp.asarray(x["w"]))
-    icfg = ChannelIntraConfig(scalar_beta=scalar)
+    # the differentiated forward's plan (A stored); inference runs its intra without A
+    plan = channel_plan(bf, K, s.V, scalar_beta=scalar, store_a=True)
+    icfg = dataclasses.replace(plan.intra_config(), store_a=False)
     intra = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, icfg))
     qg, kg, wk, u, aqk = intra(q, k, v, G, *gates)
     dl = decay_last(G)
     h0 = jnp.zeros((B, HV, K, s.V), jnp.float32)
-    fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, ChunkFwdConfig(scale=scale)))
+    fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, plan.fwd_config(scale)))
     times = {
         "chan_intra": time_jax(intra, (q, k, v, G, *gates)),
         "chan_chunk_fwd": time_jax(fwd, (qg, kg, wk, u, aqk, dl, h0)),
     }
     # differentiated forward (stores A), then the backward kernels' inputs as the driver makes them
-    acfg = dataclasses.replace(icfg, store_a=True)
+    acfg = plan.intra_config()
     intra_a = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, acfg))
     A = intra_a(q, k, v, G, *gates)[-1]
-    hcfg = ChunkFwdConfig(scale=scale, store_h=True)
+    hcfg = plan.fwd_config(scale, store_h=True)
     hrec = jax.jit(lambda kg, wk, u, dl, h0: channel_chunk_fwd(None, kg, wk, u, None, dl, h0, hcfg))
     h, vn = hrec(kg, wk, u, dl, h0)
     do = jnp.asarray(x["do"], bf)
@@ -461,17 +465,11 @@ def bench_channel_stages(s, x, variant) -> dict:
     dh, dvh, dvl, _ = dh_fn(qg, kg, wk, do, aqk, dl, dht)
     gr, gl = reference_rows(G)
     bk, w_gate = gates
-
-    def dqkw_fn(k_split):
-        return jax.jit(lambda *a: channel_bwd_dqkw(*a, scale=scale, k_split=k_split))
-
+    dqkw = jax.jit(lambda *a: channel_bwd_dqkw(*a, scale=scale, k_split=plan.dqkw_k_split))
     dqkw_args = (q, k, G, gr, gl, h, dh, vn, do, dvh, dvl)
-    dwk = dqkw_fn(False)(*dqkw_args)[2]
-
-    def wy_fn(k_split):
-        wcfg = ChannelBwdWyConfig(scalar_beta=scalar, k_split=k_split)
-        return jax.jit(lambda *a: channel_bwd_wy(*a, wcfg))
-
+    dwk = dqkw(*dqkw_args)[2]
+    wcfg = plan.wy_config()
+    wy = jax.jit(lambda *a: channel_bwd_wy(*a, wcfg))
     wy_args = (k, v, G, gr, gl, bk, w_gate, A, dwk, dvh, dvl)
     # the public op's edge-value handling and the glue's gate clamp + chunk-local cumsum
     # (gdn_jax/ops/_sanitize.py, gdn_jax/ops/_channel_pallas.py) around the kernels
@@ -484,6 +482,7 @@ def bench_channel_stages(s, x, variant) -> dict:
     cumsum = jax.jit(lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY))
     clamped = functools.partial(lane_gate_cumsum, floor=MIN_LOG_DECAY)
     cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(clamped, g)[1](dG)[0])
+    wy_form = "k_split" if wcfg.k_split else "one_cta"
     times.update({
         "sanitize_inputs": time_jax(sanitize, (q, k, v, g_raw, heads, cols)),
         "poison_output": time_jax(poison_o, (poison, do)),
@@ -492,10 +491,8 @@ def bench_channel_stages(s, x, variant) -> dict:
         "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),
         "chan_chunk_h": time_jax(hrec, (kg, wk, u, dl, h0)),
         "chan_bwd_dh": time_jax(dh_fn, (qg, kg, wk, do, aqk, dl, dht)),
-        "chan_bwd_dqkw": time_jax(dqkw_fn(False), dqkw_args),
-        "chan_bwd_dqkw(k_split)": time_jax(dqkw_fn(True), dqkw_args),
-        "chan_bwd_wy": time_jax(wy_fn(False), wy_args),
-        "chan_bwd_wy(k_split)": time_jax(wy_fn(True), wy_args),
+        f"chan_bwd_dqkw({plan.dqkw})": time_jax(dqkw, dqkw_args),
+        f"chan_bwd_wy({wy_form})": time_jax(wy, wy_args),
     })  # fmt: skip
     return times
 
@@ -669,7 +666,7 @@ def main(argv=None):
                 if a.variant == "gdn":
                     row["pallas_stages_ms"] = bench_stages(s, x)
                 else:
-                    row["pallas_stages_ms"] = bench_channel_stages(s, x, a.variant)
+                    row["pallas_stages_ms"] = bench_channel_stages(s, x, a.variant, a.dtype)
             except Exception as e:  # noqa: BLE001
                 row["pallas_stages_ms"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             gdn_split = split and a.variant == "gdn"  # (the kernels of GDN's segmented loops)

@@ -1,5 +1,6 @@
 """benchmarks/bench_gdn.py on the CPU: forced segment counts go through the public op; the timed
-forward+backward is the op's VJP with the cotangent do."""
+forward+backward is the op's VJP with the cotangent do; the channel stage times run the plan's
+kernel forms in the io dtype asked for."""
 
 import sys
 from pathlib import Path
@@ -56,3 +57,29 @@ def test_forward_backward_is_the_vjp_with_do():
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.abs(b).max() > 0
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+
+
+def test_channel_stages_time_the_plan_forms(monkeypatch):
+    """--stages for KDA in f16 (K = V = 64, two chunks, in the interpreter, each kernel run once
+    instead of timed): every kernel runs in the io dtype asked for and in the form the call's
+    plan picks (f16 at K = 64: the phased dq/dk/dw, the one-CTA WY backward)."""
+    import benchmarks.bench_gdn as bench
+    from benchmarks.shapes import Shape
+
+    ran = []
+
+    def run_once(f, args, **kw):
+        ran.append({str(a.dtype) for a in jax.tree.leaves(args) if a.ndim == 4})
+        jax.block_until_ready(f(*args))
+        return 0.0
+
+    monkeypatch.setattr(bench, "time_jax", run_once)
+    s = Shape("B1_T128_H1_HV1_D64", 1, 128, 1, 1, 64, 64)
+    with pk.use_mode("interpret"):
+        times = bench.bench_channel_stages(s, inputs(s, variant="kda"), "kda", "float16")
+    assert {"chan_bwd_dqkw(phased)", "chan_bwd_wy(one_cta)", "chan_intra", "chan_chunk_fwd"} <= set(
+        times
+    )
+    assert not any("k_split" in name for name in times)
+    # the kernels' 16-bit operands are f16 (G, states and gates are f32), never bf16
+    assert all("bfloat16" not in dts for dts in ran) and any("float16" in dts for dts in ran)
