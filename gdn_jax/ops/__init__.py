@@ -461,19 +461,23 @@ def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk
     def run_xla():
         ge = g if g.ndim == 4 else g[..., None]
         be = b if b.ndim == 4 else b[..., None]
-        return _rec.recurrent_step(
+        o, new_state = _rec.recurrent_step(
             q, k, v, ge, be, be if w is None else w, state, scale=scale,
             use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
+        return poison.output(o), poison.state(new_state, q.shape[1])
 
     def run_pallas():
         from gdn_jax.ops._step_pallas import step_pallas
 
         _pallas_sees_layout(q, k, v, g, b, w, state)
-        return step_pallas(q, k, v, g, b, w, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        # the kernel adds the poison to o and the state as it stores them: no second pass over
+        # the carried state
+        return step_pallas(
+            q, k, v, g, b, w, state, scale=scale, use_qk_l2norm=use_qk_l2norm, poison=poison
+        )
 
-    o, new_state = _run(f"{variant}_step", implementation, run_xla, run_pallas, default="step")
-    return poison.output(o), poison.state(new_state, q.shape[1])
+    return _run(f"{variant}_step", implementation, run_xla, run_pallas, default="step")
 
 
 def gated_delta_rule_step(

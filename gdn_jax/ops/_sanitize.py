@@ -76,20 +76,26 @@ class Poison:
     now: jax.Array
     seq: jax.Array | None
 
-    def output(self, o: jax.Array) -> jax.Array:
-        """o [B, T, HV, V] with NaN where the recurrence has it."""
-        T = o.shape[1]
+    def output_nan(self, T: int) -> jax.Array:
+        """[B, T, HV, V] f32: NaN where the recurrence's output is NaN, else 0."""
         t = jnp.arange(T, dtype=jnp.int32)
         if self.seq is None:
             late = t[None, :, None, None] >= self.first[:, None]
         else:
             late = (t[:, None, None] >= self.first[self.seq])[None]
-        bad = late | self.now[..., None]
-        return o + jnp.where(bad, jnp.nan, 0.0).astype(o.dtype)
+        return jnp.where(late | self.now[..., None], jnp.nan, 0.0).astype(f32)
+
+    def state_nan(self, T: int) -> jax.Array:
+        """[N, HV, V] f32: NaN in the final states' poisoned heads and columns, else 0."""
+        return jnp.where(self.first < T, jnp.nan, 0.0).astype(f32)
+
+    def output(self, o: jax.Array) -> jax.Array:
+        """o [B, T, HV, V] with NaN where the recurrence has it."""
+        return o + self.output_nan(o.shape[1]).astype(o.dtype)
 
     def state(self, s: jax.Array, T: int) -> jax.Array:
         """Final states [N, HV, K, V] with NaN in the poisoned heads and columns."""
-        return s + jnp.where(self.first < T, jnp.nan, 0.0)[:, :, None, :].astype(s.dtype)
+        return s + self.state_nan(T)[:, :, None, :].astype(s.dtype)
 
 
 def _any_after(flags: jax.Array, keep: int) -> jax.Array:

@@ -17,6 +17,12 @@ the reduction scratch). Scalar gates are read as a [T, HV] tile per CTA (TMA nee
 stride, so a [T] column of [B, T, HV] cannot be copied), then by scalar SMEM reads, so nothing is
 broadcast to K in HBM. q and k are read per q/k head (GVA: value head ``h`` reads ``h // group``),
 optionally L2-normalised in the kernel.
+
+Non-finite inputs (``poisoned``): the op's NaN (:mod:`gdn_jax.ops._sanitize`; its inputs come
+sanitised) is added in the kernel, to each token's o before it is staged (``o_nan``, 0 or NaN per
+output element) and to the state before its store (``state_nan``, 0 or NaN per value column):
+no pass of the op's own over the carried state, which at large batch would read and write the
+state a second time.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class StepConfig:
       has_w: a separate write gate w [B, T, HV, V]; without it the write gate is b (scalar b).
       use_qk_l2norm: L2-normalise q and k over K inside the kernel (f32, eps 1e-6).
       block_v: V columns per CTA (32, 64 or 128; smaller gives more CTAs at small batch).
+      poisoned: the kernel takes the op's poison inputs (``o_nan``, ``state_nan`` of
+        :func:`decode_step`) and adds them to o and the state.
     """
 
     scale: float
@@ -57,6 +65,7 @@ class StepConfig:
     has_w: bool = False
     use_qk_l2norm: bool = False
     block_v: int = 64
+    poisoned: bool = False
 
     def __post_init__(self):
         if not isinstance(self.scale, float):
@@ -72,6 +81,8 @@ def _body(*refs, cfg: StepConfig, group: int, T: int):
     rest = refs[5:]
     if cfg.has_w:
         w_g, rest = rest[0], rest[1:]
+    if cfg.poisoned:
+        (on_g, sn_g), rest = rest[:2], rest[2:]
     s_in, o_g, s_out = rest  # s_in and s_out are the same buffer (aliased)
     del s_in
     BV = cfg.block_v
@@ -93,6 +104,9 @@ def _body(*refs, cfg: StepConfig, group: int, T: int):
             loads.append((x_g.at[b], cp.smem((T, x_g.shape[-1]), x_g.dtype, swizzled=False)))
     if cfg.has_w:
         loads.append((w_g.at[b, :, hv, cols], cp.smem((T, BV), w_g.dtype, swizzled=False)))
+    if cfg.poisoned:  # this CTA's columns of o_nan (as of v) and of state_nan
+        loads.append((on_g.at[b, :, hv, cols], cp.smem((T, BV), f32, swizzled=False)))
+        loads.append((sn_g.at[b, hv, cols], cp.smem((BV,), f32)))
     n = len(loads)
 
     def scoped(*scratch):
@@ -103,6 +117,8 @@ def _body(*refs, cfg: StepConfig, group: int, T: int):
             plgpu.barrier_wait(bar.at[i])
         s_s, q_s, k_s, v_s, g_s, b_s = bufs[:6]
         w_s = bufs[6] if cfg.has_w else None
+        if cfg.poisoned:
+            on_s, sn_s = bufs[-2:]
 
         def token(t, S):
             q = cp.row_vec(q_s.at[t]).astype(f32)
@@ -127,10 +143,14 @@ def _body(*refs, cfg: StepConfig, group: int, T: int):
                 v = v * beta
             S = S + cp.bcast_rows(k, (K, BV)) * cp.bcast_cols(v - erase, (K, BV))
             o = jnp.sum(S * cp.bcast_rows(q, (K, BV)), axis=0) * cfg.scale
+            if cfg.poisoned:
+                o = o + cp.col_vec(on_s.at[t], BV)
             o_s.at[t][...] = o.astype(o_s.dtype)
             return S
 
         S = lax.fori_loop(0, T, token, cp.load_tile(s_s))
+        if cfg.poisoned:  # the state's columns that a bad token reached
+            S = S + cp.bcast_cols(cp.col_vec(sn_s, BV), (K, BV))
         s_s[...] = S
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(s_s, s_out.at[b, hv, :, cols])
@@ -154,6 +174,8 @@ def decode_step(
     w: jax.Array | None,
     state: jax.Array,
     config: StepConfig,
+    o_nan: jax.Array | None = None,
+    state_nan: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Appends T tokens of every batch row to its state; the state is updated in place.
 
@@ -164,6 +186,9 @@ def decode_step(
       w: [B, T, HV, V] f32 with ``config.has_w``, else None.
       state: [B, HV, K, V] f32; aliased to the returned state (donate it under jit).
       config: :class:`StepConfig`.
+      o_nan, state_nan: with ``config.poisoned``, the op's NaN, 0 or NaN added to o
+        (o_nan [B, T, HV, V] f32) and to every row of the new state (state_nan [B, HV, V]
+        f32).
     Returns:
       (o [B, T, HV, V] in v.dtype, new state [B, HV, K, V] f32).
     """
@@ -175,7 +200,18 @@ def decode_step(
         raise ValueError(f"{v.shape=}: V must be a multiple of {config.block_v=}")
     if (w is None) == config.has_w:
         raise ValueError(f"w is {'missing' if w is None else 'given'} but {config.has_w=}")
-    ins = [q, k, v, g, b] + ([w] if config.has_w else []) + [state]
+    if (o_nan is None or state_nan is None) == config.poisoned:
+        raise ValueError(f"o_nan and state_nan go with {config.poisoned=}")
+    poison = []
+    if config.poisoned:
+        for name, x, shape in (
+            ("o_nan", o_nan, (B, T, HV, V)),
+            ("state_nan", state_nan, (B, HV, V)),
+        ):
+            if x.shape != shape or x.dtype != f32:
+                raise ValueError(f"{name}: {x.shape} {x.dtype}; expected {shape} float32")
+        poison = [o_nan, state_nan]
+    ins = [q, k, v, g, b] + ([w] if config.has_w else []) + poison + [state]
     out_type = (
         jax.ShapeDtypeStruct((B, T, HV, V), v.dtype),
         jax.ShapeDtypeStruct((B, HV, K, V), f32),

@@ -105,6 +105,33 @@ def test_interpret_no_l2norm_and_scale():
     assert rel_rms(got[0], ref[0]) <= 1e-2
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_interpret_poison_added_in_the_kernel(variant):
+    """Non-finite inputs: the kernel puts the op's NaN into o and the state itself (as the xla
+    path's recurrence has them): a NaN in v (token 1, head 0, column 3: that column from token 1
+    on), an inf in k of key head 1 (token 2: its two value heads, GVA, from token 2 on), a NaN in
+    q (token 0, key head 0: that token's outputs of value heads 0 and 1 only, not the state), a
+    NaN gate (batch row 1, token 0, value head 3: the whole head). Everything else equals the
+    clean inputs' step."""
+    args, state = _inputs(variant, 6, B=2, T=3, H=2, HV=4, D=64)
+    a = list(args)
+    a[2] = a[2].at[0, 1, 0, 3].set(jnp.nan)
+    a[1] = a[1].at[0, 2, 1, 5].set(jnp.inf)
+    a[0] = a[0].at[1, 0, 0, 7].set(jnp.nan)
+    a[3] = a[3].at[1, 0, 3].set(jnp.nan)
+    ref = _step(variant, upcast(tuple(a)), state, "xla")
+    got = run_interpreted(_step, variant, tuple(a), state, "pallas")
+    for x, r in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(np.isnan(np.asarray(x, np.float32)), np.isnan(r))
+    want_s = np.zeros(state.shape, bool)
+    want_s[0, 0, :, 3] = want_s[0, 2:4] = want_s[1, 3] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(got[1])), want_s)
+    bad_o = np.isnan(np.asarray(got[0], np.float32))
+    assert bad_o[1, 0, :2].all() and not bad_o[1, 1:, :2].any()  # the bad q's token only
+    ok = ~np.isnan(np.asarray(ref[1]))
+    assert rel_rms(np.asarray(got[1])[ok], np.asarray(ref[1])[ok]) <= 1e-5
+
+
 def test_interpret_donated_state_is_consumed():
     """Jitted with the state donated, the caller's state buffer is given to the kernel."""
     args, state = _inputs("gdn", 4, B=2, T=1, H=2, HV=4, D=64)
@@ -257,9 +284,16 @@ def test_lowers_for_cuda_with_state_aliased(variant, D, HV, T, block_v, monkeypa
     assert len(calls) == 1 and re.search(r"\\00gdn_decode_step\\00", calls[0])
     # the kernel writes the state operand's buffer, and the donated argument is that buffer
     alias = re.search(r"output_operand_aliases = \[(.*?)\]\}", calls[0]).group(1)
-    assert f"output_tuple_indices = [1], operand_index = {n}" in alias, alias
+    # kernel operands: q, k, v, the gates, the op's two poison inputs, then the state
+    assert f"output_tuple_indices = [1], operand_index = {n + 2}" in alias, alias
     main = next(ln for ln in txt.splitlines() if "func.func public @main" in ln)
     assert f"%arg{n}: tensor<{B}x{HV}x{D}x{D}xf32> {{tf.aliasing_output = 1" in main, main
+    # the op's NaN for non-finite inputs is added in the kernel: no XLA pass over the state
+    state_ty = f"tensor<{B}x{HV}x{D}x{D}xf32>"
+    passes = [
+        ln for ln in txt.splitlines() if state_ty in ln.split("->")[-1] and "stablehlo." in ln
+    ]
+    assert not [ln for ln in passes if "custom_call" not in ln], passes
 
 
 # ------------------------------------------------------------------------------------------------
