@@ -452,17 +452,17 @@ def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk
     if q.shape[0] == 0:  # no sequences
         val.check_scale(scale, q.shape[-1])
         return jnp.zeros(v.shape, v.dtype), state
-    cols = () if w is None else (w,)
-    (q, k, v, g, (b,), cols), scale, _, poison = _prepare(
-        q, k, v, g, (b,), cols, scale=scale, cu_seqlens=None
-    )
-    w = cols[0] if cols else None
+    scale = val.check_scale(scale, q.shape[-1])
+    val.check_log_decay("g", g)
 
     def run_xla():
-        ge = g if g.ndim == 4 else g[..., None]
-        be = b if b.ndim == 4 else b[..., None]
+        cols = () if w is None else (w,)
+        (qc, kc, vc, gc, (bc,), cols), poison = _sanitize.inputs(q, k, v, g, (b,), cols, None)
+        wc = cols[0] if cols else None
+        ge = gc if gc.ndim == 4 else gc[..., None]
+        be = bc if bc.ndim == 4 else bc[..., None]
         o, new_state = _rec.recurrent_step(
-            q, k, v, ge, be, be if w is None else w, state, scale=scale,
+            qc, kc, vc, ge, be, be if wc is None else wc, state, scale=scale,
             use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
         return poison.output(o), poison.state(new_state, q.shape[1])
@@ -471,11 +471,9 @@ def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk
         from gdn_jax.ops._step_pallas import step_pallas
 
         _pallas_sees_layout(q, k, v, g, b, w, state)
-        # the kernel adds the poison to o and the state as it stores them: no second pass over
-        # the carried state
-        return step_pallas(
-            q, k, v, g, b, w, state, scale=scale, use_qk_l2norm=use_qk_l2norm, poison=poison
-        )
+        # the raw inputs: the kernel makes the sanitation and puts the NaN into o and the state
+        # itself (one launch; no second pass over the carried state)
+        return step_pallas(q, k, v, g, b, w, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
     return _run(f"{variant}_step", implementation, run_xla, run_pallas, default="step")
 

@@ -20,7 +20,9 @@ Cost: one elementwise pass over the inputs (``isfinite``, the replacement) and o
 and min-reductions over T of a [B, T, HV] and a [B, T, HV, V] flag (segment-mins with
 ``cu_seqlens``). The Pallas paths get the raw q, k, v (and KDA/GDN2 the raw gates): their
 kernels make the same replacement as they load them, so only the flags read those, and their
-chunk loops add the NaN to o as they store it (no pass over the output).
+chunk loops add the NaN to o as they store it (no pass over the output). The decode steps'
+Pallas kernel does all of it itself (``pallas_kernels.decode.step``): :func:`inputs` serves
+their xla path only.
 """
 
 from __future__ import annotations
@@ -76,26 +78,20 @@ class Poison:
     now: jax.Array
     seq: jax.Array | None
 
-    def output_nan(self, T: int) -> jax.Array:
-        """[B, T, HV, V] f32: NaN where the recurrence's output is NaN, else 0."""
+    def output(self, o: jax.Array) -> jax.Array:
+        """o [B, T, HV, V] with NaN where the recurrence has it."""
+        T = o.shape[1]
         t = jnp.arange(T, dtype=jnp.int32)
         if self.seq is None:
             late = t[None, :, None, None] >= self.first[:, None]
         else:
             late = (t[:, None, None] >= self.first[self.seq])[None]
-        return jnp.where(late | self.now[..., None], jnp.nan, 0.0).astype(f32)
-
-    def state_nan(self, T: int) -> jax.Array:
-        """[N, HV, V] f32: NaN in the final states' poisoned heads and columns, else 0."""
-        return jnp.where(self.first < T, jnp.nan, 0.0).astype(f32)
-
-    def output(self, o: jax.Array) -> jax.Array:
-        """o [B, T, HV, V] with NaN where the recurrence has it."""
-        return o + self.output_nan(o.shape[1]).astype(o.dtype)
+        bad = late | self.now[..., None]
+        return o + jnp.where(bad, jnp.nan, 0.0).astype(o.dtype)
 
     def state(self, s: jax.Array, T: int) -> jax.Array:
         """Final states [N, HV, K, V] with NaN in the poisoned heads and columns."""
-        return s + self.state_nan(T)[:, :, None, :].astype(s.dtype)
+        return s + jnp.where(self.first < T, jnp.nan, 0.0)[:, :, None, :].astype(s.dtype)
 
 
 def _any_after(flags: jax.Array, keep: int) -> jax.Array:

@@ -3,9 +3,9 @@
 
 There is nothing to reshape: the kernel reads q, k, v, the gates and the state in their public
 layouts (scalar gates stay [B, T, HV], so they are never broadcast to K in HBM), L2-normalises q and
-k itself, adds the op's NaN for non-finite inputs to o and to the state as it stores them, and
-writes the new state into the state's buffer. Jitted with the state donated, a step therefore
-reads and writes the state exactly once and copies nothing.
+k itself, makes the ops' sanitation of non-finite inputs (read as 0, NaN put into o and the state as
+the token recurrence has it) and writes the new state into the state's buffer. Jitted with the state
+donated, a step therefore reads and writes the state exactly once and copies nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdn_jax.ops._sanitize import Poison
+from gdn_jax.ops._sanitize import LOG_DECAY_FLOOR
 from gdn_jax.ops._segments import sm_count
 from pallas_kernels import _compat as pk
 from pallas_kernels.decode import SUPPORTED_DIMS, StepConfig, decode_step
@@ -71,9 +71,9 @@ def step_pallas(
     *,
     scale: float,
     use_qk_l2norm: bool,
-    poison: Poison | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """One decode call in GDN2 form; inputs already validated by the public step op.
+    """One decode call in GDN2 form; inputs already validated by the public step op, raw (the
+    kernel makes the ops' sanitation of non-finite values, :mod:`gdn_jax.ops._sanitize`).
 
     Args:
       q, k: [B, T, H, K] bf16/f16/f32; v: [B, T, HV, V] same dtype.
@@ -82,8 +82,6 @@ def step_pallas(
       w: [B, T, HV, V] f32 write gate (GDN2) or None (the write gate is the scalar b).
       state: [B, HV, K, V] f32, updated in place (donate it under jit).
       scale: query scale; use_qk_l2norm: L2-normalise q and k over K in the kernel.
-      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison` (its NaN is added to o and the
-        new state in the kernel), or None.
     Returns:
       (o [B, T, HV, V] in v.dtype, new state [B, HV, K, V] f32).
     Raises:
@@ -100,8 +98,7 @@ def step_pallas(
         has_w=w is not None,
         use_qk_l2norm=bool(use_qk_l2norm),
         block_v=BLOCK_V or value_block(q.shape[0], v.shape[2], v.shape[3], sm_count()),
-        poisoned=poison is not None,
+        log_decay_floor=LOG_DECAY_FLOOR,
     )
-    nans = () if poison is None else (poison.output_nan(q.shape[1]), poison.state_nan(q.shape[1]))
     gates = (g.astype(f32), b.astype(f32), None if w is None else w.astype(f32))
-    return decode_step(q, k, v, *gates, state, cfg, *nans)
+    return decode_step(q, k, v, *gates, state, cfg)

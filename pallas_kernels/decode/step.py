@@ -18,11 +18,13 @@ stride, so a [T] column of [B, T, HV] cannot be copied), then by scalar SMEM rea
 broadcast to K in HBM. q and k are read per q/k head (GVA: value head ``h`` reads ``h // group``),
 optionally L2-normalised in the kernel.
 
-Non-finite inputs (``poisoned``): the op's NaN (:mod:`gdn_jax.ops._sanitize`; its inputs come
-sanitised) is added in the kernel, to each token's o before it is staged (``o_nan``, 0 or NaN per
-output element) and to the state before its store (``state_nan``, 0 or NaN per value column):
-no pass of the op's own over the carried state, which at large batch would read and write the
-state a second time.
+Non-finite inputs: the kernel takes the op's raw inputs and makes the ops' sanitation itself
+(:mod:`gdn_jax.ops._sanitize`): non-finite q, k, v, b, w read as 0, g clamped to
+[``log_decay_floor``, 0], and NaN put where the token recurrence has it (a bad value in k, g or b
+at token t: the head's outputs from t on and its state; in v or w: that value column's; in q:
+token t's outputs only). So a step runs no XLA pass over its inputs, its output or the carried
+state (which at large batch a pass of its own would read and write a second time), and at small
+batch it is one launch.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class StepConfig:
       has_w: a separate write gate w [B, T, HV, V]; without it the write gate is b (scalar b).
       use_qk_l2norm: L2-normalise q and k over K inside the kernel (f32, eps 1e-6).
       block_v: V columns per CTA (32, 64 or 128; smaller gives more CTAs at small batch).
-      poisoned: the kernel takes the op's poison inputs (``o_nan``, ``state_nan`` of
-        :func:`decode_step`) and adds them to o and the state.
+      log_decay_floor: g is clamped to [log_decay_floor, 0] as it is read (NaN and −inf to the
+        floor, +inf to 0), the ops' clamp (``gdn_jax.ops._sanitize.LOG_DECAY_FLOOR``).
     """
 
     scale: float
@@ -65,7 +67,7 @@ class StepConfig:
     has_w: bool = False
     use_qk_l2norm: bool = False
     block_v: int = 64
-    poisoned: bool = False
+    log_decay_floor: float = -104.0
 
     def __post_init__(self):
         if not isinstance(self.scale, float):
@@ -74,6 +76,29 @@ class StepConfig:
             raise ValueError(f"{self.block_v=} must be 32, 64 or 128")
         if self.has_w and not self.channel_b:
             raise ValueError("has_w (a V-channel write gate) needs channel_b (GDN2 form)")
+        if not isinstance(self.log_decay_floor, float) or not self.log_decay_floor < 0:
+            raise ValueError(f"{self.log_decay_floor=} must be a negative Python float")
+
+
+def _clean_any(x: jax.Array):
+    """(vector x with non-finite values as 0, 1.0 where any of x is non-finite else 0.0)."""
+    x, bad = _clean_each(x)
+    return x, jnp.minimum(jnp.sum(bad), 1.0)
+
+
+def _clean_each(x: jax.Array):
+    """(x with non-finite values as 0, 1.0 at each non-finite value else 0.0)."""
+    ok = jnp.abs(x) < jnp.inf
+    return jnp.where(ok, x, 0.0), jnp.where(ok, 0.0, 1.0)
+
+
+def _log_decay(g: jax.Array, floor: float):
+    """(g clamped to [floor, 0] as :func:`gdn_jax.ops._sanitize.log_decay` does: NaN and −inf
+    to ``floor``, +inf and growth to 0; 1.0 where g (any of a vector) is NaN or +inf)."""
+    bad = jnp.isnan(g) | (g == jnp.inf)
+    clamped = jnp.where((g > floor) & (g <= 0.0), g, jnp.where(g > 0.0, 0.0, floor))
+    flag = jnp.where(bad, 1.0, 0.0)
+    return clamped, (jnp.minimum(jnp.sum(flag), 1.0) if g.ndim else flag)
 
 
 def _body(*refs, cfg: StepConfig, group: int, T: int):
@@ -81,8 +106,6 @@ def _body(*refs, cfg: StepConfig, group: int, T: int):
     rest = refs[5:]
     if cfg.has_w:
         w_g, rest = rest[0], rest[1:]
-    if cfg.poisoned:
-        (on_g, sn_g), rest = rest[:2], rest[2:]
     s_in, o_g, s_out = rest  # s_in and s_out are the same buffer (aliased)
     del s_in
     BV = cfg.block_v
@@ -104,9 +127,6 @@ def _body(*refs, cfg: StepConfig, group: int, T: int):
             loads.append((x_g.at[b], cp.smem((T, x_g.shape[-1]), x_g.dtype, swizzled=False)))
     if cfg.has_w:
         loads.append((w_g.at[b, :, hv, cols], cp.smem((T, BV), w_g.dtype, swizzled=False)))
-    if cfg.poisoned:  # this CTA's columns of o_nan (as of v) and of state_nan
-        loads.append((on_g.at[b, :, hv, cols], cp.smem((T, BV), f32, swizzled=False)))
-        loads.append((sn_g.at[b, hv, cols], cp.smem((BV,), f32)))
     n = len(loads)
 
     def scoped(*scratch):
@@ -117,41 +137,46 @@ def _body(*refs, cfg: StepConfig, group: int, T: int):
             plgpu.barrier_wait(bar.at[i])
         s_s, q_s, k_s, v_s, g_s, b_s = bufs[:6]
         w_s = bufs[6] if cfg.has_w else None
-        if cfg.poisoned:
-            on_s, sn_s = bufs[-2:]
 
-        def token(t, S):
-            q = cp.row_vec(q_s.at[t]).astype(f32)
-            k = cp.row_vec(k_s.at[t]).astype(f32)
+        def token(t, carry):
+            # bad: [BV], 1.0 for the value columns a non-finite input has reached (their
+            # outputs from that token on and their state are NaN)
+            S, bad = carry
+            q, bad_q = _clean_any(cp.row_vec(q_s.at[t]).astype(f32))
+            k, bad_k = _clean_any(cp.row_vec(k_s.at[t]).astype(f32))
             if cfg.use_qk_l2norm:
                 q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
                 k = k * lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
             if cfg.channel_g:
-                S = S * cp.bcast_rows(jnp.exp(cp.row_vec(g_s.at[t]).astype(f32)), (K, BV))
+                g, bad_g = _log_decay(cp.row_vec(g_s.at[t]).astype(f32), cfg.log_decay_floor)
+                S = S * cp.bcast_rows(jnp.exp(g), (K, BV))
             else:
-                S = S * jnp.exp(g_s[t, hv].astype(f32))
+                g, bad_g = _log_decay(g_s[t, hv].astype(f32), cfg.log_decay_floor)
+                S = S * jnp.exp(g)
             if cfg.channel_b:
-                bk = k * cp.row_vec(b_s.at[t]).astype(f32)
+                bch, bad_b = _clean_any(cp.row_vec(b_s.at[t]).astype(f32))
+                bk = k * bch
             else:
-                beta = b_s[t, hv].astype(f32)
+                beta, bad_b = _clean_each(b_s[t, hv].astype(f32))
                 bk = k * beta
             erase = jnp.sum(S * cp.bcast_rows(bk, (K, BV)), axis=0)
-            v = cp.col_vec(v_s.at[t], BV).astype(f32)
+            v, bad_v = _clean_each(cp.col_vec(v_s.at[t], BV).astype(f32))
             if cfg.has_w:
-                v = v * cp.col_vec(w_s.at[t], BV).astype(f32)
+                wv, bad_w = _clean_each(cp.col_vec(w_s.at[t], BV).astype(f32))
+                v, bad_v = v * wv, jnp.maximum(bad_v, bad_w)
             else:
                 v = v * beta
+            bad = jnp.maximum(jnp.maximum(bad, bad_v), jnp.maximum(bad_k, bad_g + bad_b))
             S = S + cp.bcast_rows(k, (K, BV)) * cp.bcast_cols(v - erase, (K, BV))
             o = jnp.sum(S * cp.bcast_rows(q, (K, BV)), axis=0) * cfg.scale
-            if cfg.poisoned:
-                o = o + cp.col_vec(on_s.at[t], BV)
+            o = jnp.where(jnp.maximum(bad, bad_q) > 0.0, jnp.nan, o)
             o_s.at[t][...] = o.astype(o_s.dtype)
-            return S
+            return S, bad
 
-        S = lax.fori_loop(0, T, token, cp.load_tile(s_s))
-        if cfg.poisoned:  # the state's columns that a bad token reached
-            S = S + cp.bcast_cols(cp.col_vec(sn_s, BV), (K, BV))
-        s_s[...] = S
+        S = cp.load_tile(s_s)
+        no_bad = plgpu.layout_cast(jnp.zeros((BV,), f32), plgpu.Layout.WGMMA.reduce(0))
+        S, bad = lax.fori_loop(0, T, token, (S, no_bad))
+        s_s[...] = S + cp.bcast_cols(jnp.where(bad > 0.0, jnp.nan, 0.0), (K, BV))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(s_s, s_out.at[b, hv, :, cols])
         plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, hv, cols])
@@ -174,10 +199,11 @@ def decode_step(
     w: jax.Array | None,
     state: jax.Array,
     config: StepConfig,
-    o_nan: jax.Array | None = None,
-    state_nan: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Appends T tokens of every batch row to its state; the state is updated in place.
+
+    The inputs may hold non-finite values: the kernel reads them as the ops' sanitation does and
+    puts NaN into o and the state where the token recurrence has it (module docstring).
 
     Args:
       q, k: [B, T, H, K] (bf16, f16 or f32); v: [B, T, HV, V], same dtype.
@@ -186,9 +212,6 @@ def decode_step(
       w: [B, T, HV, V] f32 with ``config.has_w``, else None.
       state: [B, HV, K, V] f32; aliased to the returned state (donate it under jit).
       config: :class:`StepConfig`.
-      o_nan, state_nan: with ``config.poisoned``, the op's NaN, 0 or NaN added to o
-        (o_nan [B, T, HV, V] f32) and to every row of the new state (state_nan [B, HV, V]
-        f32).
     Returns:
       (o [B, T, HV, V] in v.dtype, new state [B, HV, K, V] f32).
     """
@@ -200,18 +223,7 @@ def decode_step(
         raise ValueError(f"{v.shape=}: V must be a multiple of {config.block_v=}")
     if (w is None) == config.has_w:
         raise ValueError(f"w is {'missing' if w is None else 'given'} but {config.has_w=}")
-    if (o_nan is None or state_nan is None) == config.poisoned:
-        raise ValueError(f"o_nan and state_nan go with {config.poisoned=}")
-    poison = []
-    if config.poisoned:
-        for name, x, shape in (
-            ("o_nan", o_nan, (B, T, HV, V)),
-            ("state_nan", state_nan, (B, HV, V)),
-        ):
-            if x.shape != shape or x.dtype != f32:
-                raise ValueError(f"{name}: {x.shape} {x.dtype}; expected {shape} float32")
-        poison = [o_nan, state_nan]
-    ins = [q, k, v, g, b] + ([w] if config.has_w else []) + poison + [state]
+    ins = [q, k, v, g, b] + ([w] if config.has_w else []) + [state]
     out_type = (
         jax.ShapeDtypeStruct((B, T, HV, V), v.dtype),
         jax.ShapeDtypeStruct((B, HV, K, V), f32),
