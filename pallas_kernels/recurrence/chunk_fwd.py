@@ -56,8 +56,9 @@ columns of ``w S`` and ``q S`` are multiplied back by the scales in f32. With ``
 written in f32 from a second, f32 SMEM tile (double-buffered for its TMA store), so the staged
 tile is single-buffered; those f32 h tiles do not fit at K = block_v = 128. v_new and o stay f16
 (the update has no state operand). The channel forward with in-register reductions of the state
-(f16's staging scales, the QAT amax) has a single o tile (each step waits for the previous o
-store), so that K = block_v = 128 fits in SMEM with the reductions' scratch.
+(f16's staging scales, the QAT amax) at K = block_v = 128 has a single o tile (each step waits
+for the previous o store), so that it fits in SMEM with the reductions' scratch; with 64-column
+value blocks it keeps two, as the other forms do.
 
 Shared memory per gate shape: the scalar gate's forward holds q kᵀ's [C, C] tile and two o tiles,
 and forms v_new ⊙ e^{G_last − G} in the v_new tile once o is done with it (``store_h``: in a tile
@@ -155,7 +156,10 @@ def _fwd_body(
     # f16 io: the state is staged as f16 with one scale per column (its range is kept), and the
     # backward's h is written in f32 (docs/design.md: never stage the state through plain f16)
     scaled = dt == jnp.float16
-    o_single = channel and not store_h and (scaled or cfg.state_quant is not None)
+    # the channel forward with in-register reductions of the state keeps one o tile only where a
+    # second does not fit next to the reductions' scratch: the whole [128, 128] state per CTA
+    reduced = scaled or cfg.state_quant is not None
+    o_single = channel and not store_h and reduced and K * BV > 128 * 64
 
     def load_h0(h0_s, bar):
         plgpu.copy_gmem_to_smem(h0_g.at[bs, hv, :, cols], h0_s, bar)
