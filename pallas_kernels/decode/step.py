@@ -52,22 +52,22 @@ class StepConfig:
 
     Attributes:
       scale: output scale (Python float).
+      log_decay_floor: g is clamped to [log_decay_floor, 0] as it is read (NaN and −inf to the
+        floor, +inf to 0), the ops' clamp (``gdn_jax.ops._sanitize.LOG_DECAY_FLOOR``).
       channel_g: g is per key channel [B, T, HV, K] (else a scalar per head [B, T, HV]).
       channel_b: b is per key channel [B, T, HV, K] (else a scalar per head [B, T, HV]).
       has_w: a separate write gate w [B, T, HV, V]; without it the write gate is b (scalar b).
       use_qk_l2norm: L2-normalise q and k over K inside the kernel (f32, eps 1e-6).
       block_v: V columns per CTA (32, 64 or 128; smaller gives more CTAs at small batch).
-      log_decay_floor: g is clamped to [log_decay_floor, 0] as it is read (NaN and −inf to the
-        floor, +inf to 0), the ops' clamp (``gdn_jax.ops._sanitize.LOG_DECAY_FLOOR``).
     """
 
     scale: float
+    log_decay_floor: float
     channel_g: bool = False
     channel_b: bool = False
     has_w: bool = False
     use_qk_l2norm: bool = False
     block_v: int = 64
-    log_decay_floor: float = -104.0
 
     def __post_init__(self):
         if not isinstance(self.scale, float):
