@@ -47,6 +47,8 @@ __all__ = [
     "segment_coords",
     "chunk_offset",
     "round_tf32",
+    "finite",
+    "nonfinite",
     "per_chunk_kernel",
     "per_v_block_kernel",
     "store_f32_tile",
@@ -231,6 +233,11 @@ def finite(v: jax.Array) -> jax.Array:
     """v with NaN and ±inf replaced by 0 (``|v| < inf`` is false for both): the kernels that
     read the ops' raw inputs make the sanitation's replacement as they load them."""
     return jnp.where(jnp.abs(v) < jnp.inf, v, 0.0)
+
+
+def nonfinite(v: jax.Array) -> jax.Array:
+    """1.0 where v is NaN or ±inf, else 0.0 (f32): the flags of what :func:`finite` replaces."""
+    return jnp.where(jnp.abs(v) < jnp.inf, 0.0, 1.0)
 
 
 TF32_DROPPED_BITS = 13  # of f32's 23 explicit significand bits, tf32 keeps the top 10

@@ -86,7 +86,7 @@ def l2norm_fwd(x: jax.Array, *, eps: float, nan_rows: bool = False) -> jax.Array
                 v = _tiles.finite(raw)
                 r = lax.rsqrt(jnp.sum(v * v, axis=1) + eps)
                 if nan_rows:
-                    bad = jnp.max(jnp.where(jnp.abs(raw) < jnp.inf, 0.0, 1.0), axis=1)
+                    bad = jnp.max(_tiles.nonfinite(raw), axis=1)
                     r = r + jnp.where(bad > 0, jnp.nan, 0.0)
                 _store(v * cp.bcast_rows(r, v.shape), y_s, y_g, first, idx[0])
 

@@ -472,7 +472,7 @@ def _run_step(variant, implementation, q, k, v, g, b, w, state, *, scale, use_qk
 
         _pallas_sees_layout(q, k, v, g, b, w, state)
         # the raw inputs: the kernel makes the sanitation and puts the NaN into o and the state
-        # itself (one launch; no second pass over the carried state)
+        # itself (no XLA pass over the inputs, o or the carried state)
         return step_pallas(q, k, v, g, b, w, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
     return _run(f"{variant}_step", implementation, run_xla, run_pallas, default="step")

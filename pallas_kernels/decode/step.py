@@ -22,9 +22,9 @@ Non-finite inputs: the kernel takes the op's raw inputs and makes the ops' sanit
 (:mod:`gdn_jax.ops._sanitize`): non-finite q, k, v, b, w read as 0, g clamped to
 [``log_decay_floor``, 0], and NaN put where the token recurrence has it (a bad value in k, g or b
 at token t: the head's outputs from t on and its state; in v or w: that value column's; in q:
-token t's outputs only). So a step runs no XLA pass over its inputs, its output or the carried
-state (which at large batch a pass of its own would read and write a second time), and at small
-batch it is one launch.
+token t's outputs only). So a step is this kernel and the gates' casts to f32: no XLA pass over
+its inputs, its output or the carried state (which at large batch a pass of its own would read and
+write a second time).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import per_v_block_kernel, v_block_coords
+from pallas_kernels._tiles import finite, nonfinite, per_v_block_kernel, v_block_coords
 
 __all__ = ["StepConfig", "decode_step", "SUPPORTED_DIMS"]
 
@@ -88,8 +88,7 @@ def _clean_any(x: jax.Array):
 
 def _clean_each(x: jax.Array):
     """(x with non-finite values as 0, 1.0 at each non-finite value else 0.0)."""
-    ok = jnp.abs(x) < jnp.inf
-    return jnp.where(ok, x, 0.0), jnp.where(ok, 0.0, 1.0)
+    return finite(x), nonfinite(x)
 
 
 def _log_decay(g: jax.Array, floor: float):

@@ -84,6 +84,7 @@ from pallas_kernels._tiles import (
     chunk_offset,
     finite,
     load_state_row,
+    nonfinite,
     per_v_block_kernel,
     segment_coords,
     store_f32_tile,
@@ -238,7 +239,7 @@ def _fwd_body(
                 gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
                 qk = cp.matmul(q_s, k_s.T, (C, C))
                 if poisoned:  # a non-finite q makes every entry of its q kᵀ row non-finite
-                    q_bad = jnp.max(jnp.where(jnp.abs(qk) < jnp.inf, 0.0, 1.0), axis=1)
+                    q_bad = jnp.max(nonfinite(qk), axis=1)
                 p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)
                 p_s[...] = p.astype(dt)
                 o_inter = unstage(cp.matmul(q_s, s_ref, (C, BV)))
