@@ -46,7 +46,6 @@ __all__ = [
     "v_block_coords",
     "segment_coords",
     "chunk_offset",
-    "round_tf32",
     "finite",
     "nonfinite",
     "per_chunk_kernel",
@@ -238,23 +237,6 @@ def finite(v: jax.Array) -> jax.Array:
 def nonfinite(v: jax.Array) -> jax.Array:
     """1.0 where v is NaN or ±inf, else 0.0 (f32): the flags of what :func:`finite` replaces."""
     return jnp.where(jnp.abs(v) < jnp.inf, 0.0, 1.0)
-
-
-TF32_DROPPED_BITS = 13  # of f32's 23 explicit significand bits, tf32 keeps the top 10
-
-
-def round_tf32(x: jax.Array) -> jax.Array:
-    """f32 ``x`` rounded to nearest (ties to even) at tf32's 10 explicit significand bits, as an
-    f32 with the low 13 bits zero. A wgmma with f32 operands reads them as tf32 by ignoring those
-    bits (truncation: a bias of about −2^-11 relative per operand, which does not cancel in a sum
-    of products); rounded first, the product sees unbiased operands with f16's relative precision
-    and f32's range. Non-finite values pass unchanged (a rounding carry would turn a NaN's
-    payload into ±0 or inf)."""
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    half = (1 << (TF32_DROPPED_BITS - 1)) - 1
-    carry = (bits >> TF32_DROPPED_BITS) & 1
-    rounded = (bits + (half + carry)) & ~((1 << TF32_DROPPED_BITS) - 1)
-    return jnp.where(jnp.abs(x) < jnp.inf, lax.bitcast_convert_type(rounded, jnp.float32), x)
 
 
 def per_chunk_kernel(

@@ -1,24 +1,20 @@
-"""f16 io of the channel-decay intra kernel: tf32 factored operands.
+"""f16 io of the channel-decay intra kernel: bf16 hi/lo factored operands.
 
 With f16 q, k, v the decay-factored operands of the L and Aqk products (``x_i e^{G_i − r_J}``
 and ``k_j e^{r_J − G_j}`` around the reference row r_J of column block J, factors up to
 e^{8·|g|}: e^{40} at a log-decay of −5 per token) do not fit f16 (max 65504); the kernel stages
-them as f32 tiles rounded to tf32 (f32's range, f16's significand) for one tf32 wgmma.
-Everything else (A, the gated k and v, the outputs) stays f16.
+them as bf16 hi/lo pairs and accumulates hi·hi + hi·lo + lo·hi in f32. Everything else (A, the
+gated k and v, the outputs) stays f16.
 
 Checked: every output against the stage's formulas in f32 jnp on the same f16 inputs (per-token
 log-decays −5, −0.1 and 0 in every channel, and random ones in [−1, 0]); a jnp emulation of the
-factored Aqk product shows that plain f16 operands overflow at −5 per token, plain bf16 ones miss
-the tolerance, and tf32 operands meet it when rounded to nearest (as the kernel stages them) but not
-by as much when truncated (what the wgmma does with unrounded f32);
-:func:`pallas_kernels._tiles.round_tf32` against a bit-level reference. The f16 kernels' CUDA
-lowering within half an SM's shared memory per CTA is checked with the op's in
-test_channel_pallas.py::test_lowers_for_cuda.
+factored Aqk product shows that plain f16 operands overflow at −5 per token while the hi/lo
+pair meets the tolerance. The f16 kernels' CUDA lowering within half an SM's shared memory per CTA
+is checked with the op's in test_channel_pallas.py::test_lowers_for_cuda.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,7 +23,6 @@ from test_channel_intra import OUTS, _refs
 from test_channel_pallas_bwd import _chunks, _explicit, core_case
 
 from gdn_jax.testing import check_2x, rel_rms
-from pallas_kernels._tiles import round_tf32
 from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
 
 f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
@@ -36,10 +31,10 @@ F16_MAX = 65504.0
 # Relative RMS tolerance per output. Each output is rounded once to f16 (unit roundoff 2^-11,
 # relative RMS ≈ 2^-11/√3 ≈ 2.8e-4); w and u also take A and their right operands as f16
 # tensor-core operands (a few roundings of that size; measured ≤ 3.5e-4 at the tiny shapes); the
-# factored L / Aqk operands are rounded to tf32 (unit roundoff 2^-11, as f16). 1e-3 is about
-# three f16 roundings and a twentieth of the bf16 kernels' tolerance (2e-2): staging the
-# factored operands in plain bf16 already misses it (2.2e-3 on Aqk,
-# test_factored_operands_need_f32_range), plain f16 overflows to inf.
+# factored L / Aqk operands carry ~2^-16 (hi/lo pairs). 1e-3 is about three f16 roundings and a
+# twentieth of the bf16 kernels' tolerance (2e-2): staging the factored operands in plain bf16
+# instead of hi/lo already misses it (2.1e-3 on Aqk, test_factored_operands_need_hilo), plain
+# f16 overflows to inf.
 TOL = 1e-3
 
 
@@ -130,7 +125,7 @@ def test_interpret_f16_without_a():
 
 
 # ------------------------------------------------------------------------------------------------
-# CPU: why tf32 — the factored operands at −5 per token, emulated in jnp
+# CPU: why hi/lo — the factored operands at −5 per token, emulated in jnp
 
 
 def _factored_aqk(q, k, G, stage):
@@ -160,65 +155,31 @@ def _plain(dt):
     return lambda X, Y: [(X.astype(dt).astype(f32), Y.astype(dt).astype(f32))]
 
 
-def _truncated_tf32(x):
-    """What a tf32 wgmma reads of an f32 operand: the low 13 significand bits ignored."""
-    bits = np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
-    return jnp.asarray(bits.view(np.float32))
+def _hilo(X, Y):
+    """The kernel's staging: hi·hi + hi·lo + lo·hi of bf16 pairs."""
+
+    def split(x):
+        hi = x.astype(bf16)
+        return hi.astype(f32), (x - hi.astype(f32)).astype(bf16).astype(f32)
+
+    (xh, xl), (yh, yl) = split(X), split(Y)
+    return [(xh, yh), (xh, yl), (xl, yh)]
 
 
-def _tf32(rounding):
-    return lambda X, Y: [(rounding(X), rounding(Y))]
-
-
-def test_factored_operands_need_f32_range():
+def test_factored_operands_need_hilo():
     """At −5 per token the factored operands reach ~e^{40} (> 65504): plain f16 staging gives
-    inf/NaN, plain bf16 misses the tolerance, tf32 rounded to nearest (the kernel's staging)
-    meets it with margin; truncated (unrounded f32 into the wgmma) it errs more than twice as
-    much (a bias that does not cancel over the K contraction)."""
+    inf/NaN, plain bf16 misses the tolerance, the bf16 hi/lo pair meets it."""
     q, k, v, G, b, w = _f16_inputs(3, "gdn2", 1, 128, 1, 1, 64, g_val=-5.0)
     ref = jnp.einsum("mid,mjd,mijd->mij", _chunks(q), _chunks(k), _explicit(G))
-    got_tf32, big = _factored_aqk(q, k, G, _tf32(round_tf32))
-    got_trunc, _ = _factored_aqk(q, k, G, _tf32(_truncated_tf32))
+    got_hilo, big = _factored_aqk(q, k, G, _hilo)
     got_f16, _ = _factored_aqk(q, k, G, _plain(f16))
     got_bf16, _ = _factored_aqk(q, k, G, _plain(bf16))
     assert float(big) > 1e4 * F16_MAX, float(big)  # e^{40}·|q| ≈ 1e16
-    e_tf32, e_trunc, e_f16, e_bf16 = (
-        rel_rms(x, ref) for x in (got_tf32, got_trunc, got_f16, got_bf16)
-    )
-    print(
-        f"factored Aqk: tf32 {e_tf32:.1e}, truncated {e_trunc:.1e}, f16 {e_f16:.1e}, "
-        f"bf16 {e_bf16:.1e}",
-        flush=True,
-    )
-    assert e_tf32 <= TOL / 2, e_tf32
-    assert e_trunc > 2 * e_tf32, (e_trunc, e_tf32)
+    e_hilo, e_f16, e_bf16 = (rel_rms(x, ref) for x in (got_hilo, got_f16, got_bf16))
+    print(f"factored Aqk: hi/lo {e_hilo:.1e}, f16 {e_f16:.1e}, bf16 {e_bf16:.1e}", flush=True)
+    assert e_hilo <= TOL / 10, e_hilo
     assert not np.isfinite(np.asarray(got_f16)).all() and e_f16 == float("inf")
     assert e_bf16 > TOL, e_bf16
-
-
-def test_round_tf32_is_round_to_nearest_even():
-    """round_tf32 against a bit-level reference: the nearest value with 10 explicit significand
-    bits (ties to the even one), low 13 bits zero, over random magnitudes from 1e-38 to 1e38
-    and the exact ties; non-finite values unchanged."""
-    r = np.random.default_rng(0)
-    x = (r.standard_normal(20000) * 10.0 ** r.uniform(-38, 38, 20000)).astype(np.float32)
-    bits = x.view(np.uint32)
-    # exact ties: the dropped bits are 1000…0 (half a tf32 ulp), with an odd and an even kept bit
-    ties = ((bits[:64] & ~np.uint32(0x3FFF)) | np.uint32(0x1000)).astype(np.uint32)
-    ties[32:] |= np.uint32(0x2000)
-    x = np.concatenate([x, ties.view(np.float32), np.array([np.inf, -np.inf, np.nan], np.float32)])
-    got = np.asarray(jax.jit(round_tf32)(jnp.asarray(x)))
-    b = x.view(np.uint32).astype(np.uint64)
-    low, keep = b & 0x1FFF, b >> 13
-    up = (low > 0x1000) | ((low == 0x1000) & (keep & 1 == 1))
-    want = (((keep + up) << 13) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
-    fin = np.isfinite(x)
-    assert np.array_equal(got[fin].view(np.uint32), want[fin].view(np.uint32))
-    assert np.all(got[fin].view(np.uint32) & 0x1FFF == 0)
-    assert np.array_equal(got[~fin], x[~fin], equal_nan=True)
-    # to nearest: within half a tf32 ulp (2^-11 relative) of x where x is normal
-    normal = fin & (np.abs(x) >= np.finfo(np.float32).tiny)
-    assert np.all(np.abs(got[normal] - x[normal]) <= np.abs(x[normal]) * 2.0**-11)
 
 
 # ------------------------------------------------------------------------------------------------

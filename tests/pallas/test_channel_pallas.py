@@ -59,8 +59,7 @@ def test_interpret_forward_and_grads(variant, B, T, H, HV, cu, K, V):
      ("kda", 100, 2, 64, 128, 0.0), ("gdn2", 100, 1, 128, 64, 0.0)],
 )  # fmt: skip
 def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
-    """f16 io: the decay-factored operands in tf32 (forward) and as bf16 hi/lo pairs (backward)
-    and the state scaled into f16 keep
+    """f16 io: the decay-factored operands as bf16 hi/lo pairs and the state scaled into f16 keep
     the 2x rule against the recurrence run in f16, also with log-decay -5 per token in every
     channel (factors up to e^{40}, beyond f16) and with no decay. At -5 over two full chunks dg
     is ~100x smaller than dP's diagonal terms, whose row and column halves must cancel exactly
@@ -254,8 +253,7 @@ def _dense(seed, variant):
 )
 @pytest.mark.parametrize("variant", ["gdn2", "kda"])
 def test_gpu_matches_reference(variant, shape, dtype):
-    """Forward and every gradient (2x rule); f16: the tf32 and hi/lo factored operands and the
-    scaled f16
+    """Forward and every gradient (2x rule); f16: the hi/lo factored operands and the scaled f16
     state in every kernel (f16 with GVA and K = V = 128: the per-kernel f16 tests and the slow
     dense-f16 cases)."""
     B, T, H, HV, cu = DENSE if shape == "dense" else PACKED
