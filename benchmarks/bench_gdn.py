@@ -318,7 +318,7 @@ def bench_stages(s, x) -> dict:
     )
     dh, dv2, _ = dh_fn(q, k, w, do, G, dht)
     dqkw = jax.jit(lambda *a: bwd_dqkw(*a, scale=s.K**-0.5))
-    dw = dqkw(q, k, h, dh, vn, do, dv2, G)[2]
+    dks, dw = dqkw(q, k, h, dh, vn, do, dv2, G)[1:3]
     wy = jax.jit(bwd_wy)
     # the public op's edge-value handling around the kernels (gdn_jax/ops/_sanitize.py)
     g_raw, b_raw = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
@@ -334,7 +334,7 @@ def bench_stages(s, x) -> dict:
         "gdn_chunk_h": time_jax(hrec, (k, w, u, G, h0)),
         "gdn_chunk_bwd_dh": time_jax(dh_fn, (q, k, w, do, G, dht)),
         "gdn_bwd_dqkw": time_jax(dqkw, (q, k, h, dh, vn, do, dv2, G)),
-        "gdn_bwd_wy": time_jax(wy, (k, v, A, G, beta, dw, dv2)),
+        "gdn_bwd_wy": time_jax(wy, (k, v, A, G, beta, dw, dv2, dks)),
     }
 
 

@@ -78,15 +78,16 @@ def loss_and_grads(fn, variant, x, cu, dtype, cts, *, jit=True, reference=False,
     return compiled(_loss_and_grads, jit=jit, **case)(x, cu, cts)
 
 
-def check_channel_2x(variant, fn, x, cu, cts, dtype, *, floor=1e-5, names=None, jit=True):
+def check_channel_2x(variant, fn, x, cu, cts, dtype, *, floor=1e-5, names=None, jit=True, **kw):
     """:func:`gdn_jax.testing.check_2x` on every output and gradient of ``fn`` against the f32
     recurrence, with the recurrence run in ``dtype`` as the budget; ``names`` (default all)
-    selects the outputs that are asserted, the others are only reported. Returns fn's results and
-    prints the relative RMS errors. Works for all three variants (``NAMES``)."""
-    ref = functools.partial(loss_and_grads, RECURRENT[variant], variant, x, cu, jit=jit)
+    selects the outputs that are asserted, the others are only reported. ``kw``: the ops' keyword
+    arguments (:func:`loss_and_grads`). Returns fn's results and prints the relative RMS errors.
+    Works for all three variants (``NAMES``)."""
+    ref = functools.partial(loss_and_grads, RECURRENT[variant], variant, x, cu, jit=jit, **kw)
     ref32 = ref(jnp.float32, cts, reference=True)
     ref_lo = ref(dtype, cts, reference=True)
-    got = loss_and_grads(fn, variant, x, cu, dtype, cts, jit=jit)
+    got = loss_and_grads(fn, variant, x, cu, dtype, cts, jit=jit, **kw)
     checked = None if names is None else (lambda name: name in names)
     print(variant, check_2x(NAMES[variant], got, ref_lo, ref32, floor=floor, checked=checked))
     return got

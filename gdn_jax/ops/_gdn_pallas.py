@@ -180,8 +180,9 @@ def _core_bwd(cfg, res, cts):
     # segments the two loops run per segment (plus the reverse segment pass and the combine).
     q, k, v, G, beta, h0, meta, seg, raw = res
     # the forward's kernels read non-finite k, v as 0 (the normalised k is finite) and q's reach
-    # only their own rows of o; the backward's read these copies
-    q, v = finite(q), finite(v)
+    # only their own rows of o; the backward's state loops read these copies of q and k (the WY
+    # kernels read v's raw values as 0 themselves)
+    q = finite(q)
     k = k if raw is not None else finite(k)
     do, dht = cts
     B, T, H, K = q.shape
@@ -190,6 +191,9 @@ def _core_bwd(cfg, res, cts):
     nt = T // CHUNK
     dt = q.dtype
     scale = cfg.scale
+    # dq and dk leave the kernels in the io dtype unless value heads are summed or the l2norm
+    # backward takes them (then f32)
+    gdt = dt if grp == 1 and raw is None else f32
     with cfg.kernels():
         # the same kernels and configs as the forward: w and h are the quantised values it used
         w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True, w_quant=cfg.w_quant))
@@ -200,25 +204,23 @@ def _core_bwd(cfg, res, cts):
             h, vn, dh_k, dv2_k, dh0 = _segmented_bwd_loops(
                 cfg, q, k, w, u, do.astype(dt), G, h0, dht, meta, seg
             )
-        dq, dk_a, dw, dg_a, rs, hd = bwd_dqkw(
-            q, k, h, dh_k, vn, do.astype(dt), dv2_k, G, scale=scale
+        dq, dk_s, dw, dg_a, rs, hd = bwd_dqkw(
+            q, k, h, dh_k, vn, do.astype(dt), dv2_k, G, scale=scale, dq_dtype=gdt
         )
-        dk_b, dv, dbeta, dg_r, dg_c = bwd_wy(k, v, A, G, beta, dw, dv2_k)
+        dk, dv, dbeta, dg_r, dg_c = bwd_wy(k, v, A, G, beta, dw, dv2_k, dk_s, dk_dtype=gdt)
 
     def fold(x):  # [B, T, HV, K] -> [B, T, H, K], summing the value heads of a q/k head
         return x.reshape(B, T, H, grp, K).sum(3) if grp > 1 else x
 
     if raw is None:
         dq = fold(dq).astype(q.dtype)
-        dk = fold(dk_a + dk_b).astype(k.dtype)
-    else:  # through the l2norm: one kernel each, summing the parts and the value heads
+        dk = fold(dk).astype(k.dtype)
+    else:  # through the l2norm: one kernel each, summing the value heads
         rows = lambda x: x.reshape(B * T * H, -1, K)
         with cfg.kernels():
             dq, dk = (
-                l2norm_bwd(
-                    x.reshape(B * T * H, K), tuple(map(rows, parts)), eps=L2NORM_EPS
-                ).reshape(B, T, H, K)
-                for x, parts in zip(raw, ((dq,), (dk_a, dk_b)), strict=True)
+                l2norm_bwd(x.reshape(B * T * H, K), (rows(d),), eps=L2NORM_EPS).reshape(B, T, H, K)
+                for x, d in zip(raw, (dq, dk), strict=True)
             )
     # the chunk's last row also gets e^{G_last} <h, dh> + Σ_i Σ_k dk_state ⊙ k
     Gl = G.reshape(B, HV, nt, CHUNK)[..., -1]

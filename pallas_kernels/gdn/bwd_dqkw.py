@@ -97,12 +97,6 @@ def _dqkw_body(
                 return x
             return x * cp.bcast_cols(cp.col_vec(sc_s.at[t, pl.ds(0, n)], n), x.shape)
 
-        # dq
-        dq = unstage(cp.matmul(do_s, h_s.T, (C, K)), 0)
-        dq = dq * cp.bcast_rows(scale * jnp.exp(g_r), (C, K))
-        dq = dq + cp.matmul(ds_s, k_s, (C, K))
-        r1 = jnp.sum(dq * cp.load_tile(q_s).astype(f32), axis=1)
-        emit_tile(dq, out_s, dq_g.at[b, rows, hv, :])
         # dk = dk_state + dsᵀ q
         dks = unstage(cp.matmul(vn_s, dh_s.T, (C, K)), 1)
         dks = dks * cp.bcast_rows(jnp.exp(g_last - g_r), (C, K))
@@ -111,6 +105,16 @@ def _dqkw_body(
         dk = dks + cp.matmul(ds_s.T, q_s, (C, K))
         r2 = jnp.sum(dk * kf, axis=1)
         emit_tile(dk, out_s, dk_g.at[b, rows, hv, :])
+        # dq, after dk: an io-dtype dq is staged in q_s, which dk's product has read
+        dq = unstage(cp.matmul(do_s, h_s.T, (C, K)), 0)
+        dq = dq * cp.bcast_rows(scale * jnp.exp(g_r), (C, K))
+        dq = dq + cp.matmul(ds_s, k_s, (C, K))
+        r1 = jnp.sum(dq * cp.load_tile(q_s).astype(f32), axis=1)
+        if dq_g.dtype == dt:
+            plgpu.commit_smem()  # (a barrier: every thread has read q_s before dq overwrites it)
+            emit_tile(dq.astype(dt), q_s, dq_g.at[b, rows, hv, :])
+        else:
+            emit_tile(dq, out_s, dq_g.at[b, rows, hv, :])
 
         # dw = −dv2 hᵀ with dv2 = hi + lo (both 16-bit)
         def dw_mm(acc):
@@ -120,7 +124,7 @@ def _dqkw_body(
             return acc[...]
 
         dw = -unstage(pl.run_scoped(dw_mm, plgpu.ACC((C, K), f32)), 0)
-        # reuse q_s (q no longer needed) as the 16-bit staging tile of dw
+        # reuse q_s (q no longer needed; an io-dtype dq's store has read it) as dw's staging tile
         q_s[...] = dw.astype(dt)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, dw_g.at[b, rows, hv, :])
@@ -163,7 +167,7 @@ def _dqkw_body(
     )
 
 
-def bwd_dqkw(q, k, h, dh, v_new, do, dv2, g_cum, *, scale: float):
+def bwd_dqkw(q, k, h, dh, v_new, do, dv2, g_cum, *, scale: float, dq_dtype=f32):
     """dq, dk (output/state parts), dw and gate-gradient pieces for every chunk.
 
     Args:
@@ -173,8 +177,11 @@ def bwd_dqkw(q, k, h, dh, v_new, do, dv2, g_cum, *, scale: float):
       v_new, do: [B, T, HV, V] io dtype; dv2: [B, T, HV, V] f32.
       g_cum: [B, HV, T] f32.
       scale: output scale.
+      dq_dtype: dtype of dq: f32 or the io dtype (where the caller sums no value heads and runs no
+        l2norm backward on it, the cast needs no XLA pass).
     Returns:
-      dq, dk [B, T, HV, K] f32 (per value head), dw [B, T, HV, K] io dtype,
+      dq [B, T, HV, K] ``dq_dtype``, dk [B, T, HV, K] f32 (per value head; :func:`bwd_wy` adds
+      its part), dw [B, T, HV, K] io dtype,
       dg [B, HV, T] f32 (Σ dq⊙q − Σ dk⊙k), rs [B, HV, T] f32 (Σ_k dk_state⊙k),
       hd [B, HV, T/64, K] f32 (diag(h dhᵀ); sum over K = ⟨h, dh⟩).
     """
@@ -183,9 +190,11 @@ def bwd_dqkw(q, k, h, dh, v_new, do, dv2, g_cum, *, scale: float):
     if K % CHUNK or v_new.shape[3] % CHUNK:
         raise NotImplementedError(f"{q.shape=} {v_new.shape=}: K and V must be multiples of 64")
     nt = T // CHUNK
+    if jnp.dtype(dq_dtype) not in (jnp.dtype(f32), q.dtype):
+        raise ValueError(f"{dq_dtype=} must be float32 or the io dtype {q.dtype}")
     S = jax.ShapeDtypeStruct
     out_type = (
-        S((B, T, HV, K), f32),
+        S((B, T, HV, K), dq_dtype),
         S((B, T, HV, K), f32),
         S((B, T, HV, K), q.dtype),
         S((B, HV, T), f32),
