@@ -242,8 +242,10 @@ def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
     plan = core_plan(cfg, res[0], res[2], store_a=True)  # the forward's that made res
     do, dht = cts
     q, k, v, G, b, w, h0, meta = res[:8]
-    # the forward's kernels and the backward's (bwd_dqkw, bwd_wy: the state loops read the intra
-    # kernel's finite products) read non-finite q, k, v, b, w as 0; KDA's β is sanitised by the glue
+    # the forward's kernels read non-finite inputs as 0; the backward's read these copies
+    q, k, v = (finite(x) for x in (q, k, v))
+    if not cfg.scalar_beta:  # (KDA's β is sanitised by the glue)
+        b, w = finite(b), finite(w)
     with cfg.kernels():
         grads = channel_backward_pallas(
             q, k, v, G, b, w, h0, res[8:], do, dht, meta, scale=cfg.scale, plan=plan

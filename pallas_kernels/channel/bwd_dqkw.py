@@ -64,7 +64,6 @@ from pallas_kernels._compat import pl, plgpu
 from pallas_kernels._tiles import (
     chunk_coords,
     emit_tile,
-    finite,
     load_tiles,
     pair_chunk_coords,
     per_chunk_kernel,
@@ -137,8 +136,8 @@ def _dqkw_body(
             plgpu.copy_gmem_to_smem(dh_g.at[b, c, hv], h_s, bar.at[len(srcs)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # x_s is reused below
 
-        q = finite(cp.load_tile(q_s).astype(f32))  # the op's raw q, k: non-finite read as 0
-        k = finite(cp.load_tile(k_s).astype(f32))
+        q = cp.load_tile(q_s).astype(f32)
+        k = cp.load_tile(k_s).astype(f32)
         plgpu.commit_smem()  # also a warpgroup barrier: every thread has read k_s (yl_s's space)
         dq = dq + dec.rows(dp_s, k, (ys_s, yl_s), lo_s=dpl_s)
         r1 = dq * q  # without the diagonal (see channel_bwd_dqkw)
@@ -339,8 +338,8 @@ def _dqkw_ksplit_body(
             dec = Decay(g_s, gr_s, gl_s, dt)
             dq = dqh * jnp.exp(dec.G())
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # x_s (dw) is reused below
-            q = finite(cp.load_tile(q_s).astype(f32))  # raw q, k: non-finite read as 0
-            k = finite(cp.load_tile(k_s).astype(f32))
+            q = cp.load_tile(q_s).astype(f32)
+            k = cp.load_tile(k_s).astype(f32)
             plgpu.commit_smem()  # also a warpgroup barrier: every thread has read k_s (xl_s)
             dq = dq + dec.rows(dp_s, k, (x_s, xl_s), lo_s=dpl_s)
             r1 = dq * q  # without the diagonal

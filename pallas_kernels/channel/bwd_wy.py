@@ -58,7 +58,6 @@ from pallas_kernels._tiles import (
     Bars,
     chunk_coords,
     emit_tile,
-    finite,
     load_tiles,
     pair_chunk_coords,
     per_chunk_kernel,
@@ -184,22 +183,22 @@ def _wy_body(*refs, scalar: bool, group: int):
         out_s = st_s if scalar else (wg_s if V == K else extra[1])
 
         dec = Decay(g_s, gr_s, gl_s, dt)
-        k = finite(cp.load_tile(k_s).astype(f32))  # the op's raw inputs: non-finite read as 0
+        k = cp.load_tile(k_s).astype(f32)
         if scalar:
             bk = k * cp.bcast_rows(cp.row_vec(be_s), (C, K))
         else:
-            bk = finite(cp.load_tile(b_s)) * k
+            bk = cp.load_tile(b_s) * k
         eG = jnp.exp(dec.G())
 
         # dA = dw (bk e^G)ᵀ + du (w_gate v)ᵀ, the two products staged through one tile
         x_s[...] = (bk * eG).astype(dt)
         plgpu.commit_smem()
         dA = cp.matmul(dw_s, x_s.T, (C, C))
-        vt = finite(cp.load_tile(v_s).astype(f32))
+        vt = cp.load_tile(v_s).astype(f32)
         if scalar:
             wgt = cp.bcast_rows(cp.row_vec(be_s), (C, V))
         else:
-            wgt = finite(cp.load_tile(wg_s))
+            wgt = cp.load_tile(wg_s)
         xv_s[...] = (wgt * vt).astype(dt)
         plgpu.commit_smem()
 
@@ -236,7 +235,7 @@ def _wy_body(*refs, scalar: bool, group: int):
             dk = dbk * cp.bcast_rows(cp.row_vec(be_s), (C, K)) + dkl
         else:
             emit_tile(dbk_k, out_s, db_g.at[b, rows, hv, :])
-            dk = dbk * finite(cp.load_tile(b_s)) + dkl
+            dk = dbk * cp.load_tile(b_s) + dkl
         emit_tile(dk, out_s, dk_g.at[b, rows, hv, :])
         if scalar:
             vec_s[...] = dbe
@@ -363,8 +362,8 @@ def _split_body(*refs, scalar: bool, group: int):
                     half_copies(cols, (duh_g, hv, duh_s), (dul_g, hv, dul_s), (v_g, hv, v_s),
                                 (wg_g, hv, wg_s))
                 )  # fmt: skip
-                vt = finite(cp.load_tile(v_s).astype(f32))  # raw v, w: non-finite read as 0
-                wgt = beta_tile() if scalar else finite(cp.load_tile(wg_s))
+                vt = cp.load_tile(v_s).astype(f32)
+                wgt = beta_tile() if scalar else cp.load_tile(wg_s)
                 x_s[...] = (wgt * vt).astype(dt)
                 plgpu.commit_smem()
 
@@ -415,8 +414,8 @@ def _split_body(*refs, scalar: bool, group: int):
                         (gl_g.at[b, hv, c, cols], gl_s),
                     ]
                 bars.load(srcs)
-                k = finite(cp.load_tile(k_s).astype(f32))  # raw k, b: non-finite read as 0
-                gate = beta_tile() if scalar else finite(cp.load_tile(b_s))
+                k = cp.load_tile(k_s).astype(f32)
+                gate = beta_tile() if scalar else cp.load_tile(b_s)
                 bk = gate * k
                 eG = jnp.exp(cp.load_tile(g_s))
                 x_s[...] = (bk * eG).astype(dt)
@@ -438,10 +437,10 @@ def _split_body(*refs, scalar: bool, group: int):
                     # parked in the f32 staging tile while dbk is formed; k, the gate and e^G are
                     # reloaded from SMEM where needed instead of being held across the products.
                     def gate_tile():
-                        return beta_tile() if scalar else finite(cp.load_tile(b_s))
+                        return beta_tile() if scalar else cp.load_tile(b_s)
 
                     def k_tile():
-                        return finite(cp.load_tile(k_s).astype(f32))
+                        return cp.load_tile(k_s).astype(f32)
 
                     dkl = dec.cols(dl_s, gate_tile() * k_tile(), (ys_s, yl_s), lo_s=dll_s)
                     st_s[...] = dkl  # read back below by the same threads, in the same layout
