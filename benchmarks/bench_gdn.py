@@ -284,10 +284,20 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
     return out
 
 
-def bench_stages(s, x) -> dict:
-    """Per-kernel times of the pallas path (padded layout, T a multiple of 64), and of the public
-    op's input sanitation and output poisoning around them."""
+@jax.jit
+def poison_flags(q, k, v, g, heads, cols):
+    """The public op's edge-value work on the pallas path (:mod:`gdn_jax.ops._sanitize`): the
+    flags of non-finite inputs and the first bad token per head and value column. The kernels
+    read the raw inputs and add the NaN to o themselves, so the sanitised copies (unused, removed
+    by XLA) and the output's poisoning are not part of it."""
     from gdn_jax.ops import _sanitize
+
+    return _sanitize.inputs(q, k, v, g, heads, cols, None)[1]
+
+
+def bench_stages(s, x) -> dict:
+    """Per-kernel times of the pallas path (padded layout, T a multiple of 64), and
+    ``poison_flags``: the public op's edge-value flags around them (:func:`poison_flags`)."""
     from pallas_kernels._tiles import LoopConfig
     from pallas_kernels.gdn.bwd_dqkw import bwd_dqkw
     from pallas_kernels.gdn.bwd_wy import bwd_wy
@@ -320,14 +330,9 @@ def bench_stages(s, x) -> dict:
     dqkw = jax.jit(lambda *a: bwd_dqkw(*a, scale=s.K**-0.5))
     dks, dw = dqkw(q, k, h, dh, vn, do, dv2, G)[1:3]
     wy = jax.jit(bwd_wy)
-    # the public op's edge-value handling around the kernels (gdn_jax/ops/_sanitize.py)
     g_raw, b_raw = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
-    sanitize = jax.jit(lambda q, k, v, g, b: _sanitize.inputs(q, k, v, g, (b,), (), None))
-    poison = sanitize(q, k, v, g_raw, b_raw)[1]
-    poison_o = jax.jit(lambda p, o: p.output(o))
     return {
-        "sanitize_inputs": time_jax(sanitize, (q, k, v, g_raw, b_raw)),
-        "poison_output": time_jax(poison_o, (poison, do)),
+        "poison_flags": time_jax(poison_flags, (q, k, v, g_raw, (b_raw,), ())),
         "gdn_intra": time_jax(intra, (k, v, G, beta)),
         "gdn_intra(store_a)": time_jax(intra_a, (k, v, G, beta)),
         "gdn_chunk_fwd": time_jax(fwd, (q, k, w, u, G, h0)),
@@ -410,12 +415,11 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     qk) as inference runs it, ``chan_intra(store_a)`` as a differentiated forward runs it
     (keeping A for the backward), then the backward's kernels in the order
     :func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas` runs them, the dq/dk/dw and
-    WY kernels named with their form. ``sanitize_inputs`` and ``poison_output`` time the public
-    op's edge-value handling (XLA), ``gate_clamp_cumsum`` the glue's gate clamp and chunk-local
+    WY kernels named with their form. ``poison_flags`` times the public op's edge-value flags
+    (:func:`poison_flags`), ``gate_clamp_cumsum`` the glue's gate clamp and chunk-local
     cumsum (the ``gate_cumsum`` kernel where it serves, which clamps as it reads),
     ``gate_cumsum_bwd`` their VJP (the ``gate_cumsum_rev`` kernel and the clamp's
     derivative)."""
-    from gdn_jax.ops import _sanitize
     from gdn_jax.ops._channel_pallas import (
         MIN_LOG_DECAY,
         decay_last,
@@ -476,16 +480,12 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     g_raw = jnp.asarray(x["g"])
     heads = (jnp.asarray(x["beta"]),) if scalar else (jnp.asarray(x["b"]),)
     cols = () if scalar else (jnp.asarray(x["w"]),)
-    sanitize = jax.jit(lambda q, k, v, g, hs, cs: _sanitize.inputs(q, k, v, g, hs, cs, None))
-    poison = sanitize(q, k, v, g_raw, heads, cols)[1]
-    poison_o = jax.jit(lambda p, o: p.output(o))
     cumsum = jax.jit(lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY))
     clamped = functools.partial(lane_gate_cumsum, floor=MIN_LOG_DECAY)
     cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(clamped, g)[1](dG)[0])
     wy_form = "k_split" if wcfg.k_split else "one_cta"
     times.update({
-        "sanitize_inputs": time_jax(sanitize, (q, k, v, g_raw, heads, cols)),
-        "poison_output": time_jax(poison_o, (poison, do)),
+        "poison_flags": time_jax(poison_flags, (q, k, v, g_raw, heads, cols)),
         "gate_clamp_cumsum": time_jax(cumsum, (g_raw,)),
         "gate_cumsum_bwd": time_jax(cumsum_bwd, (g_raw, g_raw)),
         "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),
