@@ -83,3 +83,24 @@ def test_channel_stages_time_the_plan_forms(monkeypatch):
     assert not any("k_split" in name for name in times)
     # the kernels' 16-bit operands are f16 (G, states and gates are f32), never bf16
     assert all("bfloat16" not in dts for dts in ran) and any("float16" in dts for dts in ran)
+
+
+def test_gdn_stages_run_every_kernel(monkeypatch):
+    """--stages for GDN (K = V = 64, two chunks, in the interpreter, each kernel run once instead
+    of timed): every kernel of the pallas path and the op's poison flags run with the arguments
+    the bench builds."""
+    import benchmarks.bench_gdn as bench
+    from benchmarks.shapes import Shape
+
+    def run_once(f, args, **kw):
+        jax.block_until_ready(f(*args))
+        return 0.0
+
+    monkeypatch.setattr(bench, "time_jax", run_once)
+    s = Shape("B1_T128_H1_HV1_D64", 1, 128, 1, 1, 64, 64)
+    with pk.use_mode("interpret"):
+        times = bench.bench_stages(s, inputs(s))
+    assert set(times) == {
+        "poison_flags", "gdn_intra", "gdn_intra(store_a)", "gdn_chunk_fwd", "gdn_chunk_h",
+        "gdn_chunk_bwd_dh", "gdn_bwd_dqkw", "gdn_bwd_wy",
+    }  # fmt: skip
