@@ -185,9 +185,12 @@ def stages_section(stages: list[dict], doc: dict) -> list[str]:
         "### Stages",
         "",
         "Kernel times in ms: ours each timed alone (`bench_gdn.py --stages`: forward and backward "
-        "kernels, with the op's input sanitation and output poisoning and, for split loops, each "
-        "segment count's kernels), FLA's from a `torch.profiler` trace of its forward (`fwd`) "
-        "and of its forward+backward (`fwdbwd`; `sum`: the pass's kernel time).",
+        "kernels, the op's edge-value work and, for split loops, each segment count's kernels), "
+        "FLA's from a `torch.profiler` trace of its forward (`fwd`) and of its forward+backward "
+        "(`fwdbwd`; `sum`: the pass's kernel time). Edge values: `poison_flags` is what the "
+        "pallas path computes (the flags and first bad tokens); `sanitize_inputs` and "
+        "`poison_output` are all of `_sanitize.inputs` and `Poison.output`, of which that path "
+        "runs only the flags.",
         "",
     ]
     out += _table(["variant", "io", "shape", "impl", "pass", "sum", "kernels"], body)
