@@ -139,17 +139,23 @@ def f16_stage_scales(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return inv, scale
 
 
-def stage_columns(x: jax.Array, dst, scaled: bool):
+def stage_columns(x: jax.Array, dst, scaled: bool, lo=None):
     """Stages the f32 register tile ``x`` [R, N] (a state or state gradient) as the 16-bit wgmma
     operand ``dst`` (SMEM [R, N]) and returns the function that undoes the staging on the result
     of a product ``a @ dst`` ([M, N]).
 
     ``scaled`` (f16 io): one scale per column (:func:`f16_stage_scales`, ``axis=0``), multiplied
-    back on the product's columns; otherwise a plain cast (bf16 holds the f32 range).
+    back on the product's columns; otherwise a plain cast (bf16 holds the f32 range). ``lo``
+    (f16, SMEM [R, N]): also the remainder of the scaled tile after its f16 rounding, so that
+    ``a @ dst + a @ lo`` carries the staged operand to ~f32 precision (the undo is the same).
     """
     if not scaled:
         dst[...] = x.astype(dst.dtype)
         return lambda y: y
     inv, sc = f16_stage_scales(x, axis=0)
-    dst[...] = (x * cp.bcast_cols(inv, x.shape)).astype(dst.dtype)
+    y = x * cp.bcast_cols(inv, x.shape)
+    hi = y.astype(dst.dtype)
+    dst[...] = hi
+    if lo is not None:
+        lo[...] = (y - hi.astype(f32)).astype(lo.dtype)
     return lambda y: y * cp.bcast_cols(sc, y.shape)

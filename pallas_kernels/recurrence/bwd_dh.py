@@ -31,8 +31,11 @@ here:
 
 f16 io (docs/design.md: an f32 state gradient is never staged through plain f16, whose maximum is
 65504): dH, the B operand of ``k dH``, is staged as f16 with one scale per V column
-(:func:`pallas_kernels.gdn.fake_quant.stage_columns`) and the product's columns are multiplied
-back by the scales in f32; dh is written in f32 from an f32 copy of dH.
+(:func:`pallas_kernels.gdn.fake_quant.stage_columns`), as the f16 pair hi + lo of the scaled
+tile (two wgmmas into one accumulator), and the product's columns are multiplied back by the
+scales in f32; dh is written in f32 from an f32 copy of dH. A single f16 rounding of dH puts its
+2^-11 error into every dv2 and through dw, dv2 into dβ, whose terms cancel: with a final-state
+cotangent dβ then breaks the 2x rule (``tests/pallas/test_gdn_pallas.py``).
 
 Packed sequences on one lane (``meta``, the per-chunk (reset, final) table of the forward loops)
 mirror the forward: at a sequence's last chunk dH is set to its dht row (TMA-loaded into an f32
@@ -166,24 +169,33 @@ class _ScalarGate:
     def scratch(self, cta: _Cta):
         """The gate's SMEM tiles, allocated after the dH tile."""
         C, K, BV, dt = CHUNK, cta.K, cta.BV, cta.dt
-        # p = scale k qᵀ ⊙ decay, qg = scale q e^{G}, −dv2 (wgmma operands); dv2 (f32 store)
-        return (
-            cp.smem((C, C), dt),
-            cp.smem((C, K), dt),
-            cp.smem((C, BV), dt),
-            cp.smem(cta.buffered_shape((C, BV)), f32),
-        )
+        # p = scale k qᵀ ⊙ decay, qg = scale q e^{G}, −dv2 (wgmma operands); dv2 (f32 store).
+        # f16: qg's tile is first the staged dH's remainder (its product is done before qg is
+        # formed; SMEM at K = 128)
+        qg = cp.smem((C, K), dt)
+        if cta.dt == jnp.float16:
+            qg = plgpu.RefUnion(qg, cp.smem((K, BV), dt))
+        dv = cp.smem(cta.buffered_shape((C, BV)), f32)
+        return cp.smem((C, C), dt), qg, cp.smem((C, BV), dt), dv
+
+    @staticmethod
+    def dh_remainder(cta: _Cta, scratch):
+        """f16: the tile of the staged dH's remainder (a view of qg's tile); else None."""
+        return scratch[1][1] if cta.dt == jnp.float16 else None
 
     def chunk(self, cta: _Cta, c, dv2_outs, scratch) -> Callable:
         """Binds loop chunk ``c`` (any index arithmetic of its own is traced here, at the start
-        of the step) and returns ``backprop(tiles, dH, dh_ref, unstage, slot)``: from the step's
-        input tiles and dH staged in ``dh_ref`` (``unstage`` undoes the staging on a product),
+        of the step) and returns ``backprop(tiles, dH, dh_ops, unstage, slot)``: from the step's
+        input tiles and dH staged in the SMEM tiles ``dh_ops`` (f16: the staged tile and its
+        remainder, whose products sum; ``unstage`` undoes the staging on a product),
         writes dv2 of the chunk to ``dv2_outs`` and returns the dH at the chunk's start."""
         (dv2_g,) = dv2_outs
         p_s, qg_s, ndv_s, dv_s = scratch
         C, K, BV, dt = CHUNK, cta.K, cta.BV, cta.dt
+        if dt == jnp.float16:  # (the union's first view)
+            qg_s = qg_s[0]
 
-        def backprop(tiles, dH, dh_ref, unstage, slot):
+        def backprop(tiles, dH, dh_ops, unstage, slot):
             q_s, k_s, w_s, do_s, g_s, g2_s = tiles
             row = cp.iota((C, C), 0)
             col = cp.iota((C, C), 1)
@@ -197,10 +209,11 @@ class _ScalarGate:
             kq = cp.matmul(k_s, q_s.T, (C, C))
             p = jnp.where(upper, kq * jnp.exp(jnp.where(upper, gd, 0.0)), 0.0) * cta.scale
             p_s[...] = p.astype(dt)
+            plgpu.commit_smem()
+            dv2 = unstage(cp.matmul_sum(tuple((k_s, d) for d in dh_ops), (C, BV)))
+            # (f16: qg's tile held dH's remainder, which that product has read)
             qg = q_s[...].astype(f32) * cp.bcast_rows(cta.scale * jnp.exp(g_r), (C, K))
             qg_s[...] = qg.astype(dt)
-            plgpu.commit_smem()
-            dv2 = unstage(cp.matmul(k_s, dh_ref, (C, BV)))
             dv2 = dv2 * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
             dv2 = dv2 + cp.matmul(p_s, do_s, (C, BV))
             dv_ref = cta.buffer(dv_s, slot)
@@ -254,22 +267,28 @@ class _ChannelGate:
 
     def scratch(self, cta: _Cta):
         C, BV, dt = CHUNK, cta.BV, cta.dt
-        # −dv2 (wgmma operand); dv2 hi, lo (stores)
+        # −dv2 (wgmma operand); dv2 hi, lo (stores); f16: the staged dH's remainder
         return (
             cp.smem((C, BV), dt),
             cp.smem(cta.buffered_shape((C, BV)), dt),
             cp.smem(cta.buffered_shape((C, BV)), dt),
+            *([cp.smem((cta.K, BV), dt)] if dt == jnp.float16 else []),
         )
+
+    @staticmethod
+    def dh_remainder(cta: _Cta, scratch):
+        """f16: the tile of the staged dH's remainder; else None."""
+        return scratch[3] if cta.dt == jnp.float16 else None
 
     def chunk(self, cta: _Cta, c, dv2_outs, scratch) -> Callable:
         dvh_g, dvl_g = dv2_outs
-        ndv_s, hi_s, lo_s = scratch
+        ndv_s, hi_s, lo_s = scratch[:3]
         C, K, BV, dt = CHUNK, cta.K, cta.BV, cta.dt
         rows = pl.ds(c * C, C)
 
-        def backprop(tiles, dH, dh_ref, unstage, slot):
+        def backprop(tiles, dH, dh_ops, unstage, slot):
             qg_s, kg_s, w_s, do_s, aqk_s, egl_s = tiles
-            dv2 = unstage(cp.matmul(kg_s, dh_ref, (C, BV)))
+            dv2 = unstage(cp.matmul_sum(tuple((kg_s, d) for d in dh_ops), (C, BV)))
             dv2 = dv2 + cta.scale * cp.matmul(aqk_s.T, do_s, (C, BV))
             hi = dv2.astype(dt)
             cta.buffer(hi_s, slot)[...] = hi
@@ -326,6 +345,7 @@ def _dh_body(*refs, gate, cfg: LoopConfig, nt: int, packed: bool, state_only: bo
 
     def scoped(dh_s, *rest):
         scratch, dhf = rest[: len(gate_scratch)], rest[len(gate_scratch) :]
+        dhl_s = gate.dh_remainder(cta, scratch)
 
         def step(idx, *refs):
             *tiles, dH = refs
@@ -341,7 +361,7 @@ def _dh_body(*refs, gate, cfg: LoopConfig, nt: int, packed: bool, state_only: bo
                 reset, fin = m_s[0], m_s[1]
                 dH = load_state_row(fin, dht_g, hv, cols, dhf[0], dhf[1], dH)
             dh_ref = cta.buffer(dh_s, slot)
-            unstage = stage_columns(dH, dh_ref, scaled)
+            unstage = stage_columns(dH, dh_ref, scaled, dhl_s)
             if scaled:
                 dhf[0][...] = dH
                 dh_src = dhf[0]
@@ -350,7 +370,8 @@ def _dh_body(*refs, gate, cfg: LoopConfig, nt: int, packed: bool, state_only: bo
             plgpu.commit_smem()
             if not state_only:
                 plgpu.copy_smem_to_gmem(dh_src, dh_g.at[cta.b, cta.at(c), hv, :, cols])
-            dH = backprop(tiles, dH, dh_ref, unstage, slot)
+            dh_ops = (dh_ref,) if dhl_s is None else (dh_ref, dhl_s)
+            dH = backprop(tiles, dH, dh_ops, unstage, slot)
             if packed:  # a sequence's first chunk: dH is now the cotangent of its h0
                 store_initial_cotangent(reset, dH, dhf[0], dh0_g, hv, cols)
             return dH
