@@ -35,7 +35,7 @@ f16 io (docs/design.md: an f32 state gradient is never staged through plain f16,
 back by the scales in f32; dh is written in f32 from an f32 copy of dH. The scalar gate stages
 it as the f16 pair hi + lo of the scaled tile (two wgmmas into one accumulator): a single f16
 rounding of dH puts its 2^-11 error into every dv2 and through dw, dv2 into dβ, whose terms
-cancel, and with a final-state cotangent GDN's dβ broke the 2x rule
+cancel: with a final-state cotangent a single rounding takes GDN's dβ past the 2x rule
 (``tests/pallas/test_gdn_pallas.py``). The channel gate stages dH once.
 
 Packed sequences on one lane (``meta``, the per-chunk (reset, final) table of the forward loops)

@@ -166,9 +166,8 @@ def test_interpret_f16_final_state_cotangent_dg_gap():
 
 def test_interpret_f16_final_state_cotangent_dbeta():
     """f16 with a cotangent of the final state (one head, T = 100, K = V = 128): dβ and dv keep the
-    2x rule because the reverse loop stages dH for dv2 = k dH as an f16 pair (hi + lo). With one
-    f16 rounding of dH, dβ broke it here (3.1e-4 against the f16 recurrence's 1.3e-4): its terms
-    cancel."""
+    2x rule because the reverse loop stages dH for dv2 = k dH as an f16 pair (hi + lo). One f16
+    rounding of dH gives dβ 3.1e-4 here against the f16 recurrence's 1.3e-4: its terms cancel."""
     x, cu, cts = _unit_case(3, 1, 100, 1, 1, 128, 128, None)
     with pk.use_mode("interpret"):
         try:
