@@ -171,18 +171,17 @@ class _ScalarGate:
         """The gate's SMEM tiles, allocated after the dH tile."""
         C, K, BV, dt = CHUNK, cta.K, cta.BV, cta.dt
         # p = scale k qᵀ ⊙ decay, qg = scale q e^{G}, −dv2 (wgmma operands); dv2 (f32 store).
-        # f16: qg's tile is first the staged dH's remainder (its product is done before qg is
-        # formed; SMEM at K = 128)
-        qg = cp.smem((C, K), dt)
-        if cta.dt == jnp.float16:
-            qg = plgpu.RefUnion(qg, cp.smem((K, BV), dt))
+        # f16: dv2's tile (single-buffered: free once the step has waited for the last step's
+        # stores) first holds the staged dH's remainder, read by dv2's product (SMEM at K = 128)
         dv = cp.smem(cta.buffered_shape((C, BV)), f32)
-        return cp.smem((C, C), dt), qg, cp.smem((C, BV), dt), dv
+        if dt == jnp.float16:
+            dv = plgpu.RefUnion(dv, cp.smem((K, BV), dt))
+        return cp.smem((C, C), dt), cp.smem((C, K), dt), cp.smem((C, BV), dt), dv
 
     @staticmethod
     def dh_remainder(cta: _Cta, scratch):
-        """f16: the tile of the staged dH's remainder (a view of qg's tile); else None."""
-        return scratch[1][1] if cta.dt == jnp.float16 else None
+        """f16: the tile of the staged dH's remainder (a view of dv2's tile); else None."""
+        return scratch[3][1] if cta.dt == jnp.float16 else None
 
     def chunk(self, cta: _Cta, c, dv2_outs, scratch) -> Callable:
         """Binds loop chunk ``c`` (any index arithmetic of its own is traced here, at the start
@@ -194,7 +193,7 @@ class _ScalarGate:
         p_s, qg_s, ndv_s, dv_s = scratch
         C, K, BV, dt = CHUNK, cta.K, cta.BV, cta.dt
         if dt == jnp.float16:  # (the union's first view)
-            qg_s = qg_s[0]
+            dv_s = dv_s[0]
 
         def backprop(tiles, dH, dh_ops, unstage, slot):
             q_s, k_s, w_s, do_s, g_s, g2_s = tiles
@@ -210,11 +209,10 @@ class _ScalarGate:
             kq = cp.matmul(k_s, q_s.T, (C, C))
             p = jnp.where(upper, kq * jnp.exp(jnp.where(upper, gd, 0.0)), 0.0) * cta.scale
             p_s[...] = p.astype(dt)
-            plgpu.commit_smem()
-            dv2 = unstage(cp.matmul_sum(tuple((k_s, d) for d in dh_ops), (C, BV)))
-            # (f16: qg's tile held dH's remainder, which that product has read)
             qg = q_s[...].astype(f32) * cp.bcast_rows(cta.scale * jnp.exp(g_r), (C, K))
             qg_s[...] = qg.astype(dt)
+            plgpu.commit_smem()
+            dv2 = unstage(cp.matmul_sum(tuple((k_s, d) for d in dh_ops), (C, BV)))
             dv2 = dv2 * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
             dv2 = dv2 + cp.matmul(p_s, do_s, (C, BV))
             dv_ref = cta.buffer(dv_s, slot)
