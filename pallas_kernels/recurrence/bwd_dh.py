@@ -31,12 +31,12 @@ here:
 
 f16 io (docs/design.md: an f32 state gradient is never staged through plain f16, whose maximum is
 65504): dH, the B operand of ``k dH``, is staged as f16 with one scale per V column
-(:func:`pallas_kernels.gdn.fake_quant.stage_columns`) and the product's columns are multiplied
-back by the scales in f32; dh is written in f32 from an f32 copy of dH. The scalar gate stages
-it as the f16 pair hi + lo of the scaled tile (two wgmmas into one accumulator): a single f16
-rounding of dH puts its 2^-11 error into every dv2 and through dw, dv2 into dβ, whose terms
-cancel: with a final-state cotangent a single rounding takes GDN's dβ past the 2x rule
-(``tests/pallas/test_gdn_pallas.py``). The channel gate stages dH once.
+(:func:`pallas_kernels.gdn.fake_quant.stage_columns`), as the f16 pair hi + lo of the scaled
+tile (two wgmmas into one accumulator), and the product's columns are multiplied back by the
+scales in f32; dh is written in f32 from an f32 copy of dH. A single f16 rounding of dH puts its
+2^-11 error into every dv2 and through dw, dv2 into dβ, whose terms cancel: with a final-state
+cotangent dβ then breaks the 2x rule (GDN: ``tests/pallas/test_gdn_pallas.py``, KDA:
+``tests/pallas/test_channel_pallas_bwd.py``).
 
 Packed sequences on one lane (``meta``, the per-chunk (reset, final) table of the forward loops)
 mirror the forward: at a sequence's last chunk dH is set to its dht row (TMA-loaded into an f32
@@ -266,21 +266,22 @@ class _ChannelGate:
 
     def scratch(self, cta: _Cta):
         C, BV, dt = CHUNK, cta.BV, cta.dt
-        # −dv2 (wgmma operand); dv2 hi, lo (stores)
+        # −dv2 (wgmma operand); dv2 hi, lo (stores); f16: the staged dH's remainder
         return (
             cp.smem((C, BV), dt),
             cp.smem(cta.buffered_shape((C, BV)), dt),
             cp.smem(cta.buffered_shape((C, BV)), dt),
+            *([cp.smem((cta.K, BV), dt)] if dt == jnp.float16 else []),
         )
 
     @staticmethod
     def dh_remainder(cta: _Cta, scratch):
-        """None: dH is staged once (f16: one rounding of the scaled tile)."""
-        return None
+        """f16: the tile of the staged dH's remainder; else None."""
+        return scratch[3] if cta.dt == jnp.float16 else None
 
     def chunk(self, cta: _Cta, c, dv2_outs, scratch) -> Callable:
         dvh_g, dvl_g = dv2_outs
-        ndv_s, hi_s, lo_s = scratch
+        ndv_s, hi_s, lo_s = scratch[:3]
         C, K, BV, dt = CHUNK, cta.K, cta.BV, cta.dt
         rows = pl.ds(c * C, C)
 
