@@ -29,6 +29,7 @@ __all__ = [
     "pl",
     "plgpu",
     "Mode",
+    "WG_AXIS",
     "execution_mode",
     "use_mode",
     "interpret_params",
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 Mode = Literal["auto", "gpu", "interpret"]
+# the axis name of the warpgroup index in kernels with several warpgroups per CTA
+WG_AXIS = "wg"
 _MODE: contextvars.ContextVar[Mode] = contextvars.ContextVar("pallas_kernels_mode", default="auto")
 
 
@@ -113,8 +116,10 @@ def kernel(
     grid_names: tuple[str, ...],
     name: str,
     input_output_aliases: dict[int, int] | None = None,
+    warpgroups: int = 1,
 ):
-    """``plgpu.kernel`` with one warpgroup per CTA, interpreted when the mode says so.
+    """``plgpu.kernel`` with ``warpgroups`` warpgroups per CTA (one by default; more: the
+    warpgroup index is the axis :data:`WG_AXIS`), interpreted when the mode says so.
 
     ``name`` becomes the kernel's symbol (it shows up in profiles and in the lowered module).
     ``input_output_aliases`` ({input index: output index}, as for ``pallas_call``): that output
@@ -133,7 +138,11 @@ def kernel(
             grid_names=grid_names,
             interpret=interpret,
             kernel_name=name,
+            num_threads=warpgroups if warpgroups > 1 else None,
+            thread_name=WG_AXIS if warpgroups > 1 else None,
         )
+    if warpgroups > 1:
+        raise NotImplementedError("input_output_aliases with several warpgroups per CTA")
     single = not isinstance(out_type, (tuple, list))
     out_types = (out_type,) if single else tuple(out_type)
     aliases = dict(input_output_aliases)

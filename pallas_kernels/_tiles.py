@@ -266,11 +266,20 @@ def pair_chunk_coords(group: int, chunk: int = 64):
 
 
 def per_v_block_kernel(
-    body, out_type, *, v_blocks: int, HV: int, B: int, name: str, input_output_aliases=None
+    body,
+    out_type,
+    *,
+    v_blocks: int,
+    HV: int,
+    B: int,
+    name: str,
+    input_output_aliases=None,
+    warpgroups: int = 1,
 ):
     """``cp.kernel`` with one CTA per (block of value columns, value head, batch row): the
     ``("v", "h", "b")`` grid of the sequential chunk loops, each CTA carrying a [K, block_v]
-    slice of the state. ``input_output_aliases`` as for :func:`pallas_kernels._compat.kernel`."""
+    slice of the state. ``input_output_aliases`` and ``warpgroups`` as for
+    :func:`pallas_kernels._compat.kernel`."""
     return cp.kernel(
         body,
         out_type=out_type,
@@ -278,6 +287,7 @@ def per_v_block_kernel(
         grid_names=("v", "h", "b"),
         name=name,
         input_output_aliases=input_output_aliases,
+        warpgroups=warpgroups,
     )
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "F16_STAGE_AMAX",
     "f16_stage_scales",
     "stage_columns",
+    "unstage_columns",
 ]
 
 E4M3_MAX = 448.0
@@ -139,7 +140,7 @@ def f16_stage_scales(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return inv, scale
 
 
-def stage_columns(x: jax.Array, dst, scaled: bool, lo=None):
+def stage_columns(x: jax.Array, dst, scaled: bool, lo=None, scales=None):
     """Stages the f32 register tile ``x`` [R, N] (a state or state gradient) as the 16-bit wgmma
     operand ``dst`` (SMEM [R, N]) and returns the function that undoes the staging on the result
     of a product ``a @ dst`` ([M, N]).
@@ -148,6 +149,8 @@ def stage_columns(x: jax.Array, dst, scaled: bool, lo=None):
     back on the product's columns; otherwise a plain cast (bf16 holds the f32 range). ``lo``
     (f16, SMEM [R, N]): also the remainder of the scaled tile after its f16 rounding, so that
     ``a @ dst + a @ lo`` carries the staged operand to ~f32 precision (the undo is the same).
+    ``scales`` (f16, SMEM [N] f32): also receives the column scales, for another warpgroup's
+    products with ``dst`` (:func:`unstage_columns`).
     """
     if not scaled:
         dst[...] = x.astype(dst.dtype)
@@ -158,4 +161,15 @@ def stage_columns(x: jax.Array, dst, scaled: bool, lo=None):
     dst[...] = hi
     if lo is not None:
         lo[...] = (y - hi.astype(f32)).astype(lo.dtype)
+    if scales is not None:
+        scales[...] = sc
     return lambda y: y * cp.bcast_cols(sc, y.shape)
+
+
+def unstage_columns(scales, scaled: bool):
+    """The undo of :func:`stage_columns` for a warpgroup that did not stage the tile: the column
+    scales are read from ``scales`` (SMEM [N] f32, written by ``stage_columns(...,
+    scales=scales)``) when ``scaled``; else the identity."""
+    if not scaled:
+        return lambda y: y
+    return lambda y: y * cp.bcast_cols(cp.col_vec(scales, y.shape[1]), y.shape)

@@ -69,6 +69,8 @@ tile directly.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -87,11 +89,15 @@ from pallas_kernels._tiles import (
     nonfinite,
     per_v_block_kernel,
     segment_coords,
-    store_f32_tile,
     store_final_state,
     v_block_coords,
 )
-from pallas_kernels.gdn.fake_quant import STATE_QUANT, fake_quant_e4m3, stage_columns
+from pallas_kernels.gdn.fake_quant import (
+    STATE_QUANT,
+    fake_quant_e4m3,
+    stage_columns,
+    unstage_columns,
+)
 
 __all__ = ["ChunkFwdConfig", "chunk_fwd", "channel_chunk_fwd"]
 
@@ -123,47 +129,281 @@ class ChunkFwdConfig(LoopConfig):
             raise ValueError(f"{self.state_quant=} must be None or one of {tuple(STATE_QUANT)}")
 
 
+def _loop_refs(refs, *, store_h: bool, channel: bool, packed: bool, poisoned: bool):
+    """Names the kernel's GMEM refs (inputs in :func:`_launch` order, then the outputs).
+
+    Returns a namespace: q (q or qg; None with ``store_h``), k (k or kg), w, u, a (Aqk: the
+    channel forward only), g (G [B, HV, T] or e^{G_last} [B, HV, T/64, K]), h0, nan_rows
+    (poisoned channel forward), nan_from (poisoned), meta (packed) and the outputs: o, ht
+    (forward) or h, vn (``store_h``).
+    """
+    refs = list(refs)
+    out = refs[-2:]
+    ins = refs[:-2]
+    q = None if store_h else ins.pop(0)
+    k, w, u = ins[:3]
+    a = ins.pop(3) if channel and not store_h else None
+    g, h0 = ins[3:5]
+    rest = ins[5:]
+    nan_rows = rest.pop(0) if poisoned and channel else None
+    nan_from = rest.pop(0) if poisoned else None
+    meta = rest.pop(0) if packed else None
+    named = dict(q=q, k=k, w=w, u=u, a=a, g=g, h0=h0, nan_rows=nan_rows, nan_from=nan_from)
+    named.update(meta=meta, **dict(zip(("h", "vn") if store_h else ("o", "ht"), out, strict=True)))
+    return types.SimpleNamespace(**named)
+
+
+def _pipeline_inputs(r, *, store_h: bool, channel: bool, b, hk, hv, iv, at, BV: int):
+    """The chunk pipeline's block specs and GMEM refs, in the order the step receives its
+    tiles: [q], k, w, u, [Aqk], G (or e^{G_last}), [nan_rows], [nan_from], [meta]."""
+    C = CHUNK
+    K, dt = r.k.shape[-1], r.k.dtype
+    tile = lambda cols_: dict(dtype=dt, cols=cols_)  # noqa: E731
+    qk_spec = lambda: cp.block_spec((None, C, None, K), lambda c: (b, at(c), hk, 0), **tile(K))  # noqa: E731
+    specs = [] if store_h else [qk_spec()]  # q
+    specs += [
+        qk_spec(),  # k
+        cp.block_spec((None, C, None, K), lambda c: (b, at(c), hv, 0), **tile(K)),  # w
+        cp.block_spec((None, C, None, BV), lambda c: (b, at(c), hv, iv), **tile(BV)),  # u
+    ]
+    ins = [r.k, r.w, r.u] if store_h else [r.q, r.k, r.w, r.u]
+    if r.a is not None:
+        specs.append(cp.block_spec((None, C, None, C), lambda c: (b, at(c), hv, 0), **tile(C)))
+        ins.append(r.a)
+    if channel:  # e^{G_last} per key channel
+        specs.append(cp.block_spec((None, None, None, K), lambda c: (b, hv, at(c), 0)))
+    else:  # G [B, HV, T]
+        specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
+    ins.append(r.g)
+    if r.nan_rows is not None:
+        specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
+        ins.append(r.nan_rows)
+    if r.nan_from is not None:
+        specs.append(cp.block_spec((None, None, None, BV), lambda c: (b, hv, at(c), iv)))
+        ins.append(r.nan_from)
+    if r.meta is not None:
+        specs.append(cp.block_spec((None, META_COLS), lambda c: (at(c), 0)))  # (reset, final)
+        ins.append(r.meta)
+    return specs, ins
+
+
+def _step_tiles(tiles, *, store_h: bool, channel: bool, packed: bool, poisoned: bool):
+    """Names one pipeline step's SMEM tiles (the order of :func:`_pipeline_inputs`)."""
+    tiles = list(tiles)
+    m = tiles.pop() if packed else None
+    nf = tiles.pop() if poisoned else None
+    nr = tiles.pop() if poisoned and channel else None
+    q = None if store_h else tiles.pop(0)
+    k, w, u = tiles[:3]
+    a = tiles[3] if channel and not store_h else None
+    return types.SimpleNamespace(q=q, k=k, w=w, u=u, a=a, g=tiles[-1], nr=nr, nf=nf, m=m)
+
+
+# the forward loop's compute warpgroups (the memory warpgroup, which runs the TMA pipeline, is
+# the last): the state role runs the sequential path, the output role the chunk's output
+_STATE, _OUTPUT = 0, 1
+
+
 def _fwd_body(
     *refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, packed: bool, poisoned: bool
 ):
-    """The chunk loop of one CTA. ``channel``: decay per key channel (inputs qg, kg, w, u, Aqk,
-    e^{G_last}); else the scalar gate (inputs q, k, w, u, G; ``group`` value heads per key head).
-    ``poisoned``: o gets the op's NaN from the poison inputs (see :func:`chunk_fwd`).
+    """The forward chunk loop of one CTA: two compute warpgroups in roles (module docstring).
+    ``channel``: decay per key channel (inputs qg, kg, w, u, Aqk, e^{G_last}); else the scalar
+    gate (inputs q, k, w, u, G; ``group`` value heads per key head). ``poisoned``: o gets the
+    op's NaN from the poison inputs (see :func:`chunk_fwd`).
     """
     C, BV = CHUNK, cfg.block_v
-    store_h = cfg.store_h
-    refs = list(refs)
-    if store_h:
-        h_g, vn_g = refs[-2:]
-    else:
-        o_g, ht_g = refs[-2:]
-    q_g = None if store_h else refs.pop(0)  # q, or qg
-    k_g, w_g, u_g = refs[:3]  # k (kg), w, u
-    a_g = None if store_h or not channel else refs.pop(3)  # Aqk
-    g_g, h0_g = refs[3:5]  # G [B, HV, T], or e^{G_last} [B, HV, T/64, K]
-    # poison: NaN-from rows [B, HV, T/64, V] (and, channel, NaN rows [B, HV, T])
-    n_poison = (2 if channel else 1) if poisoned else 0
-    nr_g = refs[5] if poisoned and channel else None
-    nf_g = refs[4 + n_poison] if poisoned else None
-    m_g = refs[5 + n_poison] if packed else None  # [NT, META_COLS] int32 (reset, final)
+    r = _loop_refs(refs, store_h=False, channel=channel, packed=packed, poisoned=poisoned)
     iv, hv, _, cols = v_block_coords(BV)
     # segments: this CTA runs chunks c0 … c0 + nt − 1 of batch row b; bs is its state row
     b, bs, c0 = segment_coords(cfg.segments, nt)
     hk = hv if channel else hv // group  # (the channel loop's GVA is expanded by its intra kernel)
     at = lambda c: chunk_offset(c0, c)  # noqa: E731
-    K = k_g.shape[-1]
-    dt = k_g.dtype
-    n_groups = 2 if store_h else 1  # TMA store groups issued per step
-    # f16 io: the state is staged as f16 with one scale per column (its range is kept), and the
-    # backward's h is written in f32 (docs/design.md: never stage the state through plain f16)
+    K, dt = r.k.shape[-1], r.k.dtype
+    wg = lax.axis_index(cp.WG_AXIS)
+    # f16 io: the state is staged as f16 with one scale per column (its range is kept; the
+    # output warpgroup reads the scales from SMEM)
     scaled = dt == jnp.float16
-    # the channel forward with in-register reductions of the state keeps one o tile only where a
-    # second does not fit next to the reductions' scratch: the whole [128, 128] state per CTA
-    reduced = scaled or cfg.state_quant is not None
-    o_single = channel and not store_h and reduced and K * BV > 128 * 64
+    # shared memory: a whole-state CTA (block_v = 128) has one pipeline stage and one o tile; a
+    # packed lane's state staging tile leaves room for one o tile
+    stages = 2 if BV == 64 else 1
+    o_single = packed or BV == 128
+    specs, ins = _pipeline_inputs(
+        r, store_h=False, channel=channel, b=b, hk=hk, hv=hv, iv=iv, at=at, BV=BV
+    )
+
+    def scoped(s_s, vn_s, o_s, ready, free, st_bar, *bufs):
+        bufs = list(bufs)
+        if packed:  # its own f32 tile: sequences start and end mid-loop
+            st_s = bufs.pop(0)
+        else:  # h0 and the final state: the staged-state tiles' memory, before and after the loop
+            s_s, st_s = s_s
+        vd_s, p_s = (None, None) if channel else (bufs.pop(0), bufs.pop(0))
+        sc_s = bufs.pop(0) if scaled else None
+
+        def ctx(run):
+            zeros = cp.to_wgmma(jnp.zeros((K, BV), f32))
+            if packed:  # every state is set by its sequence's first chunk
+                S0 = zeros
+            else:
+
+                def load_h0():
+                    plgpu.copy_gmem_to_smem(r.h0.at[bs, hv, :, cols], st_s, st_bar)
+                    plgpu.barrier_wait(st_bar)
+                    return cp.load_tile(st_s)
+
+                S0 = lax.cond(wg == _STATE, load_h0, lambda: zeros)
+            S = run(S0)
+
+            @pl.when(wg == _STATE)
+            def _():
+                # the output warpgroup's last reads of the staged tiles (every phase of a
+                # barrier is waited for), then the end state
+                for j in range(min(nt, 2)):
+                    plgpu.barrier_wait(free.at[(nt - 1 - j) % 2])
+                if not packed:
+                    st_s[...] = S
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(st_s, r.ht.at[bs, hv, :, cols])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        def step(idx, *args):
+            *tiles, S = args
+            t = _step_tiles(tiles, store_h=False, channel=channel, packed=packed, poisoned=poisoned)
+            (c,) = idx
+            slot = lax.rem(c, 2)
+            # the state entering chunk c (staged), v_new and f16's column scales: written by the
+            # state role, read by the output role; a slot is rewritten two steps later, once
+            # the output role has released it (``free``)
+            s_ref, vn_ref = s_s.at[slot], vn_s.at[slot]
+            sc_ref = sc_s.at[slot] if scaled else None
+
+            def state_role(S):
+                if packed:  # a sequence's first chunk loads its h0
+                    S = load_state_row(t.m[0], r.h0, hv, cols, st_s, st_bar, S)
+                if cfg.state_quant is not None:
+                    # QAT: the carry becomes the quantised state; the chunk's products and its
+                    # decayed update use it (as the xla path does)
+                    S = fake_quant_e4m3(S, STATE_QUANT[cfg.state_quant])
+
+                @pl.when(c >= 2)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                if not channel:
+                    # the op's raw k: non-finite values read as 0 (a NaN state would survive a
+                    # packed lane's wipe gate, 0 · NaN, into the next sequence). A bad q reaches
+                    # only its own row of o (q S and the causal q kᵀ are row-wise), which the
+                    # poison makes NaN. The output role reads the sanitised tile.
+                    t.k[...] = finite(cp.load_tile(t.k).astype(f32)).astype(dt)
+                unstage = stage_columns(S, s_ref, scaled, scales=sc_ref)
+                plgpu.commit_smem()
+                v_new = t.u[...].astype(f32) - unstage(cp.matmul(t.w, s_ref, (C, BV)))
+                vn_ref[...] = v_new.astype(dt)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ready.at[slot])
+                if channel:
+                    decay = cp.bcast_rows(cp.row_vec(t.g), (K, BV))
+                    S = S * decay + cp.matmul(t.k.T, vn_ref, (K, BV))
+                else:
+                    g_r = cp.row_vec(t.g)
+                    g_last = t.g[C - 1]
+                    vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
+                    vd_s[...] = vd.astype(dt)
+                    plgpu.commit_smem()
+                    S = S * jnp.exp(g_last) + cp.matmul(t.k.T, vd_s, (K, BV))
+                if packed:  # a sequence's last chunk writes its end state
+                    store_final_state(t.m[1], S, st_s, r.ht, hv, cols)
+                return cp.to_wgmma(S)
+
+            def output_role(S):
+                if not channel:  # (loaded before the iotas: Mosaic's layout inference)
+                    g_r = cp.row_vec(t.g)
+                plgpu.barrier_wait(ready.at[slot])
+                unstage = unstage_columns(sc_ref, scaled)
+                if channel:
+                    o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
+                else:
+                    row = cp.iota((C, C), 0)
+                    col = cp.iota((C, C), 1)
+                    causal = row >= col
+                    g_c = cp.col_vec(t.g, C)
+                    gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
+                    qk = cp.matmul(t.q, t.k.T, (C, C))
+                    if poisoned:  # a non-finite q makes every entry of its q kᵀ row non-finite
+                        q_bad = jnp.max(nonfinite(qk), axis=1)
+                    p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)
+                    p_s[...] = p.astype(dt)
+                    plgpu.commit_smem()
+                    o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
+                    o_inter = o_inter * cp.bcast_rows(jnp.exp(g_r), (C, BV))
+                intra = t.a if channel else p_s  # the causal, decayed q kᵀ of the chunk
+                o = (o_inter + cp.matmul(intra, vn_ref, (C, BV))) * cfg.scale
+                plgpu.barrier_arrive(free.at[slot])
+                if poisoned:  # the op's NaN: whole rows (a bad q) and columns from a row on
+                    rows = cp.iota((C, BV), 0).astype(f32)
+                    from_row = cp.bcast_cols(cp.col_vec(t.nf, BV), (C, BV))
+                    if channel:
+                        o = o + cp.bcast_rows(cp.row_vec(t.nr), (C, BV))
+                    else:
+                        o = o + jnp.where(cp.bcast_rows(q_bad, (C, BV)) > 0, jnp.nan, 0.0)
+                    o = o + jnp.where(rows >= from_row, jnp.nan, 0.0)
+                # the o store that last read this tile has finished reading it
+                plgpu.wait_smem_to_gmem(0 if o_single else 1, wait_read_only=True)
+                o_ref = o_s if o_single else o_s.at[slot]
+                o_ref[...] = o.astype(dt)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_ref, r.o.at[b, pl.ds(at(c) * C, C), hv, cols])
+                return cp.to_wgmma(S)
+
+            return lax.cond(wg == _STATE, state_role, output_role, S)
+
+        plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(nt,),
+            memory_registers=40,
+            in_specs=specs,
+            max_concurrent_steps=stages,
+            wg_axis=cp.WG_AXIS,
+            num_compute_wgs=2,
+            compute_context=ctx,
+        )(*ins)
+
+    staged = cp.smem((2, K, BV), dt)
+    scratch = [
+        staged if packed else plgpu.RefUnion(staged, cp.smem((K, BV), f32)),
+        cp.smem((2, C, BV), dt),  # v_new
+        cp.smem((C, BV) if o_single else (2, C, BV), dt),  # o
+        plgpu.Barrier(num_barriers=2),  # ready: the state role has staged S and v_new
+        plgpu.Barrier(num_barriers=2),  # free: the output role has read them
+        plgpu.Barrier(),  # the h0 loads
+    ]
+    if packed:
+        scratch.append(cp.smem((K, BV), f32))  # h0 / final state staging
+    if not channel:
+        scratch += [cp.smem((C, BV), dt), cp.smem((C, C), dt)]  # v_new ⊙ e^{G_last − G}, P
+    if scaled:
+        scratch.append(plgpu.SMEM((2, BV), f32))  # the staged state's column scales
+    pl.run_scoped(scoped, *scratch, collective_axes=cp.WG_AXIS)
+
+
+def _store_h_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, packed: bool):
+    """The backward's recomputation loop of one CTA (one warpgroup): writes h and v_new.
+    ``channel`` and ``group`` as for :func:`_fwd_body`."""
+    C, BV = CHUNK, cfg.block_v
+    r = _loop_refs(refs, store_h=True, channel=channel, packed=packed, poisoned=False)
+    iv, hv, _, cols = v_block_coords(BV)
+    b, bs, c0 = segment_coords(cfg.segments, nt)
+    hk = hv if channel else hv // group
+    at = lambda c: chunk_offset(c0, c)  # noqa: E731
+    K, dt = r.k.shape[-1], r.k.dtype
+    # f16 io: the state is staged as f16 with one scale per column, and h is written in f32
+    # from a second, f32 tile (docs/design.md: never stage the state through plain f16)
+    scaled = dt == jnp.float16
 
     def load_h0(h0_s, bar):
-        plgpu.copy_gmem_to_smem(h0_g.at[bs, hv, :, cols], h0_s, bar)
+        plgpu.copy_gmem_to_smem(r.h0.at[bs, hv, :, cols], h0_s, bar)
         plgpu.barrier_wait(bar)
         return cp.to_wgmma(h0_s[...])
 
@@ -171,157 +411,63 @@ def _fwd_body(
         S0 = cp.to_wgmma(jnp.zeros((K, BV), f32))
     else:
         S0 = pl.run_scoped(load_h0, cp.smem((K, BV), f32), plgpu.Barrier())
+    specs, ins = _pipeline_inputs(
+        r, store_h=True, channel=channel, b=b, hk=hk, hv=hv, iv=iv, at=at, BV=BV
+    )
 
     def scoped(s_s, vn_s, *bufs):
-        # scalar gate: store_h: vd_s (+ the f32 h tiles with f16 io); forward: p_s, o_s, and
-        # v_dec reuses the v_new tile once o is done with it. Channel: store_h: the f32 h tiles
-        # with f16 io; forward: the o tile(s). Packed: the h0 / final-state tile and its barrier.
+        # scalar gate: vd_s; f16: the f32 h tiles; packed: the h0 staging tile and its barrier
         bufs = list(bufs)
         st_s, st_bar = (bufs.pop(), bufs.pop())[::-1] if packed else (None, None)
-        p_s = vd_s = hf_s = o_s = None
-        if channel:
-            hf_s = bufs[0] if store_h and scaled else None
-            o_s = None if store_h else bufs[0]
-        elif store_h:
-            vd_s, hf_s = bufs[0], (bufs[1] if scaled else None)
-        else:
-            vd_s, p_s, o_s = vn_s, bufs[0], bufs[1]
+        vd_s = None if channel else bufs.pop(0)
+        hf_s = bufs.pop(0) if scaled else None
 
         def step(idx, *args):
-            *args, S = args
-            m_s = args.pop() if packed else None
-            nf_s = args.pop() if poisoned else None
-            nr_s = args.pop() if poisoned and channel else None
-            q_s = None if store_h else args.pop(0)
-            k_s, w_s, u_s = args[:3]
-            a_s = args[3] if channel and not store_h else None
-            g_s = args[-1]
+            *tiles, S = args
+            t = _step_tiles(tiles, store_h=True, channel=channel, packed=packed, poisoned=False)
             (c,) = idx
             slot = lax.rem(c, 2)
-            if packed:  # packed sequences on one lane: a sequence's first chunk loads its h0
-                reset, fin = m_s[0], m_s[1]
-                S = load_state_row(reset, h0_g, hv, cols, st_s, st_bar, S)
-            if cfg.state_quant is not None:
-                # QAT: the carry becomes the quantised state; the products below, the decayed
-                # update and the stored h all use it (as the xla path does)
+            if packed:  # a sequence's first chunk loads its h0
+                S = load_state_row(t.m[0], r.h0, hv, cols, st_s, st_bar, S)
+            if cfg.state_quant is not None:  # QAT: h is the quantised state the forward used
                 S = fake_quant_e4m3(S, STATE_QUANT[cfg.state_quant])
-            # the stores issued two steps ago (same slot) must have finished reading SMEM (one o
-            # tile: the previous step's o store too)
-            plgpu.wait_smem_to_gmem(0 if o_single else n_groups, wait_read_only=True)
+            # the stores issued two steps ago (same slot) must have finished reading SMEM
+            plgpu.wait_smem_to_gmem(2, wait_read_only=True)
             # with f16 h is stored from the f32 tile, so the staged one is not a TMA source
-            s_ref = s_s.at[slot] if store_h and not scaled else s_s
-            vn_ref = vn_s.at[slot] if store_h else vn_s
-            if not channel and not store_h:  # (the backward's recomputation reads finite k)
-                # the op's raw k: non-finite values read as 0 (a NaN state would survive a
-                # packed lane's wipe gate, 0 · NaN, into the next sequence). A bad q reaches
-                # only its own row of o (q S and the causal q kᵀ are row-wise), which the
-                # poison below makes NaN.
-                k_s[...] = finite(cp.load_tile(k_s).astype(f32)).astype(dt)
+            s_ref = s_s if scaled else s_s.at[slot]
+            vn_ref = vn_s.at[slot]
             unstage = stage_columns(S, s_ref, scaled)
-            if store_h and scaled:
+            if scaled:
                 hf_s.at[slot][...] = S
             plgpu.commit_smem()
-            if store_h:
-                h_src = hf_s.at[slot] if scaled else s_ref
-                plgpu.copy_smem_to_gmem(h_src, h_g.at[b, at(c), hv, :, cols])
-            v_new = u_s[...].astype(f32) - unstage(cp.matmul(w_s, s_ref, (C, BV)))
-            if not channel:
-                g_r = cp.row_vec(g_s)
-                g_last = g_s[C - 1]
+            h_src = hf_s.at[slot] if scaled else s_ref
+            plgpu.copy_smem_to_gmem(h_src, r.h.at[b, at(c), hv, :, cols])
+            v_new = t.u[...].astype(f32) - unstage(cp.matmul(t.w, s_ref, (C, BV)))
             vn_ref[...] = v_new.astype(dt)
-            if not store_h and channel:
-                o_inter = unstage(cp.matmul(q_s, s_ref, (C, BV)))
-            elif not store_h:
-                row = cp.iota((C, C), 0)
-                col = cp.iota((C, C), 1)
-                causal = row >= col
-                g_c = cp.col_vec(g_s, C)
-                gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
-                qk = cp.matmul(q_s, k_s.T, (C, C))
-                if poisoned:  # a non-finite q makes every entry of its q kᵀ row non-finite
-                    q_bad = jnp.max(nonfinite(qk), axis=1)
-                p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)
-                p_s[...] = p.astype(dt)
-                o_inter = unstage(cp.matmul(q_s, s_ref, (C, BV)))
-                o_inter = o_inter * cp.bcast_rows(jnp.exp(g_r), (C, BV))
             plgpu.commit_smem()
-            if store_h:
-                plgpu.copy_smem_to_gmem(vn_ref, vn_g.at[b, pl.ds(at(c) * C, C), hv, cols])
-            else:
-                intra = a_s if channel else p_s  # the causal, decayed q kᵀ of the chunk
-                o = (o_inter + cp.matmul(intra, vn_ref, (C, BV))) * cfg.scale
-                if poisoned:  # the op's NaN: whole rows (a bad q) and columns from a row on
-                    rows = cp.iota((C, BV), 0).astype(f32)
-                    from_row = cp.bcast_cols(cp.col_vec(nf_s, BV), (C, BV))
-                    if channel:
-                        o = o + cp.bcast_rows(cp.row_vec(nr_s), (C, BV))
-                    else:
-                        o = o + jnp.where(cp.bcast_rows(q_bad, (C, BV)) > 0, jnp.nan, 0.0)
-                    o = o + jnp.where(rows >= from_row, jnp.nan, 0.0)
-                o_ref = o_s if o_single else o_s.at[slot]
-                o_ref[...] = o.astype(o_g.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_ref, o_g.at[b, pl.ds(at(c) * C, C), hv, cols])
+            plgpu.copy_smem_to_gmem(vn_ref, r.vn.at[b, pl.ds(at(c) * C, C), hv, cols])
             if channel:
-                decay = cp.bcast_rows(cp.row_vec(g_s), (K, BV))
-                S = S * decay + cp.matmul(k_s.T, vn_ref, (K, BV))
-            else:
-                vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
-                vd_s[...] = vd.astype(dt)
-                plgpu.commit_smem()
-                S = S * jnp.exp(g_last) + cp.matmul(k_s.T, vd_s, (K, BV))
-            if packed and not store_h:  # a sequence's last chunk writes its final state
-                store_final_state(fin, S, st_s, ht_g, hv, cols)
+                decay = cp.bcast_rows(cp.row_vec(t.g), (K, BV))
+                return S * decay + cp.matmul(t.k.T, vn_ref, (K, BV))
+            g_r = cp.row_vec(t.g)
+            g_last = t.g[C - 1]
+            vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
+            vd_s[...] = vd.astype(dt)
+            plgpu.commit_smem()
+            return S * jnp.exp(g_last) + cp.matmul(t.k.T, vd_s, (K, BV))
 
-            return S
-
-        tile = lambda cols_: dict(dtype=dt, cols=cols_)
-        qk_spec = lambda: cp.block_spec((None, C, None, K), lambda c: (b, at(c), hk, 0), **tile(K))
-        specs = [] if store_h else [qk_spec()]  # q
-        specs += [
-            qk_spec(),  # k
-            cp.block_spec((None, C, None, K), lambda c: (b, at(c), hv, 0), **tile(K)),  # w
-            cp.block_spec((None, C, None, BV), lambda c: (b, at(c), hv, iv), **tile(BV)),  # u
-        ]
-        ins = (k_g, w_g, u_g) if store_h else (q_g, k_g, w_g, u_g)
-        if channel and not store_h:
-            specs.append(cp.block_spec((None, C, None, C), lambda c: (b, at(c), hv, 0), **tile(C)))
-            ins += (a_g,)
-        if channel:  # e^{G_last} per key channel
-            specs.append(cp.block_spec((None, None, None, K), lambda c: (b, hv, at(c), 0)))
-        else:  # G [B, HV, T]
-            specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
-        ins += (g_g,)
-        if poisoned and channel:
-            specs.append(cp.block_spec((None, None, C), lambda c: (b, hv, at(c))))
-            ins += (nr_g,)
-        if poisoned:
-            specs.append(cp.block_spec((None, None, None, BV), lambda c: (b, hv, at(c), iv)))
-            ins += (nf_g,)
-        if packed:
-            specs.append(cp.block_spec((None, META_COLS), lambda c: (at(c), 0)))  # (reset, final)
-            ins += (m_g,)
-        S = plgpu.emit_pipeline(
+        plgpu.emit_pipeline(
             step, grid=(nt,), in_specs=specs, max_concurrent_steps=2, init_carry=S0
         )(*ins)
         plgpu.wait_smem_to_gmem(0)
-        return S
 
-    nbuf = 2 if store_h else 1
-    s_shape = (nbuf, K, BV) if store_h and not scaled else (K, BV)
-    vn_shape = (nbuf, C, BV) if store_h else (C, BV)
-    h_tiles = (cp.smem((2, K, BV), f32),) if store_h and scaled else ()  # f16: h in f32
-    if store_h:
-        bufs = h_tiles if channel else (cp.smem((C, BV), dt), *h_tiles)
-    elif channel:
-        bufs = (cp.smem((C, BV) if o_single else (2, C, BV), dt),)
-    else:
-        bufs = (cp.smem((C, C), dt), cp.smem((2, C, BV), dt))
+    bufs = () if channel else (cp.smem((C, BV), dt),)
+    if scaled:
+        bufs += (cp.smem((2, K, BV), f32),)  # f16: h in f32
     if packed:
-        bufs += (cp.smem((K, BV), f32), plgpu.Barrier())  # h0 / final state staging
-    S = pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem(vn_shape, dt), *bufs)
-    if not store_h and not packed:
-        store_f32_tile(S, ht_g.at[bs, hv, :, cols])
+        bufs += (cp.smem((K, BV), f32), plgpu.Barrier())  # h0 staging
+    s_shape = (K, BV) if scaled else (2, K, BV)
+    pl.run_scoped(scoped, cp.smem(s_shape, dt), cp.smem((2, C, BV), dt), *bufs)
 
 
 def _check_shapes(config: ChunkFwdConfig, T: int, V: int) -> None:
@@ -394,10 +540,23 @@ def _launch(ins, meta, poison, config: ChunkFwdConfig, *, rows: int, name: str, 
             jax.ShapeDtypeStruct(h0.shape if meta is not None else (rows, HV, K, V), f32),
         )
 
-    def body(*refs):
-        _fwd_body(*refs, cfg=config, packed=meta is not None, poisoned=bool(poison), **body_kw)
-
-    fn = per_v_block_kernel(body, out_type, v_blocks=V // config.block_v, HV=HV, B=rows, name=name)
+    packed = meta is not None
+    if config.store_h:
+        body = functools.partial(_store_h_body, cfg=config, packed=packed, **body_kw)
+    else:
+        body = functools.partial(
+            _fwd_body, cfg=config, packed=packed, poisoned=bool(poison), **body_kw
+        )
+    # the forward: two compute warpgroups in roles and the pipeline's memory warpgroup
+    fn = per_v_block_kernel(
+        body,
+        out_type,
+        v_blocks=V // config.block_v,
+        HV=HV,
+        B=rows,
+        name=name,
+        warpgroups=1 if config.store_h else 3,
+    )
     return fn(*ins, *poison, *(() if meta is None else (meta,)))
 
 
