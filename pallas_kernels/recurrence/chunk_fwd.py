@@ -1,10 +1,10 @@
 """Stages 3+4 of the chunked forms: the inter-chunk state recurrence fused with the output, one
-kernel body for both gate shapes.
+kernel body per loop for both gate shapes.
 
-One CTA (one warpgroup) per (batch row, value head, block of ``block_v`` value columns) runs over
-the chunks in order, with the state S [K, BV] in f32 registers as the ``emit_pipeline`` carry.
-Each chunk the state is cast to the io dtype once, into one SMEM tile that is the B operand of
-both ``w S`` and ``q S``. Per chunk (C = 64 rows, G the chunk-local cumulative log-decay):
+One CTA per (batch row, value head, block of ``block_v`` value columns) runs over the chunks in
+order, with the state S [K, BV] in f32 registers as the pipeline's carry. Each chunk the state is
+cast to the io dtype once, into one SMEM tile that is the B operand of both ``w S`` and ``q S``.
+Per chunk (C = 64 rows, G the chunk-local cumulative log-decay):
 
 - scalar gate (GDN, :func:`chunk_fwd`; w, u from :func:`pallas_kernels.gdn.intra.intra_chunk`,
   q and k read per query/key head, so GVA costs no copies)::
@@ -23,10 +23,20 @@ both ``w S`` and ``q S``. Per chunk (C = 64 rows, G the chunk-local cumulative l
   The decay of the state is a row scaling of the state tile (WGMMA layout, vector loaded with
   ``WGMMA.reduce(1)``).
 
-The forward writes no per-chunk state. With ``store_h`` the same loop writes the state entering
-each chunk (h) and v_new instead of o and the final state: the backward's recomputation. Padded
-rows (zero q, k, w, u, and a repeated cumulative gate) leave S unchanged; G_last is the cumulative
-gate of the chunk's last valid row.
+The forward (o and the final state) splits each CTA into roles: a memory warpgroup runs the TMA
+pipeline of the chunk inputs (``emit_pipeline_warp_specialized``), the *state* warpgroup runs
+the sequential path (stage S, v_new, the update of S) and the *output* warpgroup the rest of the
+chunk (q kᵀ and P, q S, P v_new, the o store) one step behind it. They share the staged S and
+v_new tiles, double-buffered and handed over by two SMEM barriers per slot (``ready``: the state
+role has written them; ``free``: the output role has read them). A chunk step then costs the
+state path alone, not the state path plus the output (with at most one loop CTA per SM, the
+loop is bound by that latency). The h0 load and the end-state store go through the staged-state tiles' memory, before and after
+the loop; a packed lane, whose sequences start and end mid-loop, has a staging tile of its own.
+
+``store_h`` is the backward's recomputation: one warpgroup writes the state entering each chunk
+(h) and v_new instead of o and the final state; it has no output products to take off the state
+path. Padded rows (zero q, k, w, u, and a repeated cumulative gate) leave S unchanged; G_last is
+the cumulative gate of the chunk's last valid row.
 
 Segments (``segments = S > 1``): each lane is cut into S segments of equal chunk count that run as
 separate CTAs from the states in ``h0`` (one row per segment; the combine pass that makes those
@@ -52,18 +62,16 @@ is (its end state is written from the same tile).
 f16 io (docs/design.md: an f32 state is never staged through plain f16, whose maximum is 65504):
 the state tile is staged as f16 with one scale per V column
 (:func:`pallas_kernels.gdn.fake_quant.f16_stage_scales`, each column's amax at 2^14), and the
-columns of ``w S`` and ``q S`` are multiplied back by the scales in f32. With ``store_h``, h is
-written in f32 from a second, f32 SMEM tile (double-buffered for its TMA store), so the staged
-tile is single-buffered; those f32 h tiles do not fit at K = block_v = 128. v_new and o stay f16
-(the update has no state operand). The channel forward with in-register reductions of the state
-(f16's staging scales, the QAT amax) at K = block_v = 128 has a single o tile (each step waits
-for the previous o store), so that it fits in SMEM with the reductions' scratch; with 64-column
-value blocks it keeps two, as the other forms do.
+columns of ``w S`` and ``q S`` are multiplied back by the scales in f32 (the output role reads
+them from SMEM). With ``store_h``, h is written in f32 from a second, f32 SMEM tile
+(double-buffered for its TMA store), so the staged tile is single-buffered; those f32 h tiles do
+not fit at K = block_v = 128. v_new and o stay f16 (the update has no state operand).
 
-Shared memory per gate shape: the scalar gate's forward holds q kᵀ's [C, C] tile and two o tiles,
-and forms v_new ⊙ e^{G_last − G} in the v_new tile once o is done with it (``store_h``: in a tile
-of its own); the channel forward holds one or two o tiles and updates the state from the v_new
-tile directly.
+Shared memory (K = 128, 16-bit io): the forward at ``block_v = 64`` holds two pipeline stages of
+the chunk inputs (~113 KB scalar gate, ~130 KB channel), the staged S, v_new and o tiles
+double-buffered, and the scalar gate's P and decayed v_new; a packed lane's f32 staging tile
+leaves room for one o tile. A whole-state CTA (``block_v = 128``) has one pipeline stage and one o
+tile.
 """
 
 from __future__ import annotations
