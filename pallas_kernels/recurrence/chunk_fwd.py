@@ -26,12 +26,15 @@ Per chunk (C = 64 rows, G the chunk-local cumulative log-decay):
 The forward (o and the final state) splits each CTA into roles: a memory warpgroup runs the TMA
 pipeline of the chunk inputs (``emit_pipeline_warp_specialized``), the *state* warpgroup runs
 the sequential path (stage S, v_new, the update of S) and the *output* warpgroup the rest of the
-chunk (q kᵀ and P, q S, P v_new, the o store) one step behind it. They share the staged S and
-v_new tiles, double-buffered and handed over by two SMEM barriers per slot (``ready``: the state
-role has written them; ``free``: the output role has read them). A chunk step then costs the
-state path alone, not the state path plus the output (with at most one loop CTA per SM, the
-loop is bound by that latency). The h0 load and the end-state store go through the staged-state tiles' memory, before and after
-the loop; a packed lane, whose sequences start and end mid-loop, has a staging tile of its own.
+chunk (q kᵀ and P, then q S, P v_new and the o store) one step behind it. They share the staged
+S and v_new tiles, double-buffered and handed over by two SMEM barriers per slot (``ready``: the
+state role has written them; ``free``: the output role has read them); the output role forms P
+before it waits for them. A chunk step then costs the state path alone, not the state path plus
+the output (with at most one loop CTA per SM, the loop is bound by that latency). The scalar
+gate's update decays and sanitises the keys into a tile of its own (k ⊙ e^{G_last − G}, its
+non-finite values read as 0), so the output role reads the raw k tile meanwhile. The h0 load and
+the end-state store go through the staged-state tiles' memory, before and after the loop; a
+packed lane, whose sequences start and end mid-loop, has a staging tile of its own.
 
 ``store_h`` is the backward's recomputation: one warpgroup writes the state entering each chunk
 (h) and v_new instead of o and the final state; it has no output products to take off the state
@@ -69,7 +72,7 @@ not fit at K = block_v = 128. v_new and o stay f16 (the update has no state oper
 
 Shared memory (K = 128, 16-bit io): the forward at ``block_v = 64`` holds two pipeline stages of
 the chunk inputs (~113 KB scalar gate, ~130 KB channel), the staged S, v_new and o tiles
-double-buffered, and the scalar gate's P and decayed v_new; a packed lane's f32 staging tile
+double-buffered, and the scalar gate's P and decayed keys; a packed lane's f32 staging tile
 leaves room for one o tile. A whole-state CTA (``block_v = 128``) has one pipeline stage and one o
 tile.
 """
@@ -233,9 +236,11 @@ def _fwd_body(
     # output warpgroup reads the scales from SMEM)
     scaled = dt == jnp.float16
     # shared memory: a whole-state CTA (block_v = 128) has one pipeline stage and one o tile; a
-    # packed lane's state staging tile leaves room for one o tile
+    # packed lane's state staging tile leaves room for one o tile, which the scalar gate's P
+    # shares (both [C, C] at block_v = 64: P is formed once the last o store has read the tile)
     stages = 2 if BV == 64 else 1
     o_single = packed or BV == 128
+    p_in_o = packed and not channel
     specs, ins = _pipeline_inputs(
         r, store_h=False, channel=channel, b=b, hk=hk, hv=hv, iv=iv, at=at, BV=BV
     )
@@ -246,7 +251,8 @@ def _fwd_body(
             st_s = bufs.pop(0)
         else:  # h0 and the final state: the staged-state tiles' memory, before and after the loop
             s_s, st_s = s_s
-        vd_s, p_s = (None, None) if channel else (bufs.pop(0), bufs.pop(0))
+        kd_s = None if channel else bufs.pop(0)
+        p_s = o_s if p_in_o else (None if channel else bufs.pop(0))
         sc_s = bufs.pop(0) if scaled else None
 
         def ctx(run):
@@ -299,12 +305,6 @@ def _fwd_body(
                 def _():
                     plgpu.barrier_wait(free.at[slot])
 
-                if not channel:
-                    # the op's raw k: non-finite values read as 0 (a NaN state would survive a
-                    # packed lane's wipe gate, 0 · NaN, into the next sequence). A bad q reaches
-                    # only its own row of o (q S and the causal q kᵀ are row-wise), which the
-                    # poison makes NaN. The output role reads the sanitised tile.
-                    t.k[...] = finite(cp.load_tile(t.k).astype(f32)).astype(dt)
                 unstage = stage_columns(S, s_ref, scaled, scales=sc_ref)
                 plgpu.commit_smem()
                 v_new = t.u[...].astype(f32) - unstage(cp.matmul(t.w, s_ref, (C, BV)))
@@ -315,35 +315,45 @@ def _fwd_body(
                     decay = cp.bcast_rows(cp.row_vec(t.g), (K, BV))
                     S = S * decay + cp.matmul(t.k.T, vn_ref, (K, BV))
                 else:
+                    # the update's keys k ⊙ e^{G_last − G}, from the op's raw k with non-finite
+                    # values read as 0 (a NaN state would survive a packed lane's wipe gate,
+                    # 0 · NaN, into the next sequence), in a tile of their own: the output role
+                    # reads the raw tile meanwhile
                     g_r = cp.row_vec(t.g)
                     g_last = t.g[C - 1]
-                    vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
-                    vd_s[...] = vd.astype(dt)
+                    kd = finite(cp.load_tile(t.k).astype(f32))
+                    kd_s[...] = (kd * cp.bcast_rows(jnp.exp(g_last - g_r), (C, K))).astype(dt)
                     plgpu.commit_smem()
-                    S = S * jnp.exp(g_last) + cp.matmul(t.k.T, vd_s, (K, BV))
+                    S = S * jnp.exp(g_last) + cp.matmul(kd_s.T, vn_ref, (K, BV))
                 if packed:  # a sequence's last chunk writes its end state
                     store_final_state(t.m[1], S, st_s, r.ht, hv, cols)
                 return cp.to_wgmma(S)
 
             def output_role(S):
-                if not channel:  # (loaded before the iotas: Mosaic's layout inference)
-                    g_r = cp.row_vec(t.g)
-                plgpu.barrier_wait(ready.at[slot])
                 unstage = unstage_columns(sc_ref, scaled)
-                if channel:
-                    o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
-                else:
+                if not channel:  # P, before the state role's tiles are needed
+                    g_r = cp.row_vec(t.g)  # (loaded before the iotas: Mosaic's layout inference)
                     row = cp.iota((C, C), 0)
                     col = cp.iota((C, C), 1)
                     causal = row >= col
                     g_c = cp.col_vec(t.g, C)
                     gd = cp.bcast_rows(g_r, (C, C)) - cp.bcast_cols(g_c, (C, C))
+                    # the op's raw q and k: a non-finite k_j makes column j of q kᵀ non-finite,
+                    # so the causal rows i >= j of o, which the op's NaN covers (a bad k
+                    # poisons its token's outputs and all later ones); a non-finite q makes
+                    # every entry of its row non-finite, the causal ones included
                     qk = cp.matmul(t.q, t.k.T, (C, C))
-                    if poisoned:  # a non-finite q makes every entry of its q kᵀ row non-finite
-                        q_bad = jnp.max(nonfinite(qk), axis=1)
+                    if poisoned:
+                        q_bad = jnp.max(jnp.where(causal, nonfinite(qk), 0.0), axis=1)
                     p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gd, 0.0)), 0.0)
+                    if p_in_o:  # the last o store has read the tile
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     p_s[...] = p.astype(dt)
                     plgpu.commit_smem()
+                plgpu.barrier_wait(ready.at[slot])
+                if channel:
+                    o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
+                else:
                     o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
                     o_inter = o_inter * cp.bcast_rows(jnp.exp(g_r), (C, BV))
                 intra = t.a if channel else p_s  # the causal, decayed q kᵀ of the chunk
@@ -357,7 +367,8 @@ def _fwd_body(
                     else:
                         o = o + jnp.where(cp.bcast_rows(q_bad, (C, BV)) > 0, jnp.nan, 0.0)
                     o = o + jnp.where(rows >= from_row, jnp.nan, 0.0)
-                # the o store that last read this tile has finished reading it
+                # the o store that last read this tile has finished reading it (with P in the o
+                # tile, P v_new has read P: the product waits for its wgmma)
                 plgpu.wait_smem_to_gmem(0 if o_single else 1, wait_read_only=True)
                 o_ref = o_s if o_single else o_s.at[slot]
                 o_ref[...] = o.astype(dt)
@@ -390,7 +401,9 @@ def _fwd_body(
     if packed:
         scratch.append(cp.smem((K, BV), f32))  # h0 / final state staging
     if not channel:
-        scratch += [cp.smem((C, BV), dt), cp.smem((C, C), dt)]  # v_new ⊙ e^{G_last − G}, P
+        scratch.append(cp.smem((C, K), dt))  # k ⊙ e^{G_last − G}
+    if not channel and not p_in_o:
+        scratch.append(cp.smem((C, C), dt))  # P
     if scaled:
         scratch.append(plgpu.SMEM((2, BV), f32))  # the staged state's column scales
     pl.run_scoped(scoped, *scratch, collective_axes=cp.WG_AXIS)
