@@ -210,9 +210,9 @@ def _step_tiles(tiles, *, store_h: bool, channel: bool, packed: bool, poisoned: 
     return types.SimpleNamespace(q=q, k=k, w=w, u=u, a=a, g=tiles[-1], nr=nr, nf=nf, m=m)
 
 
-# the forward loop's compute warpgroups (the memory warpgroup, which runs the TMA pipeline, is
-# the last): the state role runs the sequential path, the output role the chunk's output
-_STATE, _OUTPUT = 0, 1
+# the forward loop's state-role warpgroup (the output role is warpgroup 1; the memory warpgroup,
+# which runs the TMA pipeline, is the last)
+_STATE = 0
 
 
 def _fwd_body(
@@ -351,10 +351,8 @@ def _fwd_body(
                     p_s[...] = p.astype(dt)
                     plgpu.commit_smem()
                 plgpu.barrier_wait(ready.at[slot])
-                if channel:
-                    o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
-                else:
-                    o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
+                o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
+                if not channel:  # (the channel loop's qg is decayed already)
                     o_inter = o_inter * cp.bcast_rows(jnp.exp(g_r), (C, BV))
                 intra = t.a if channel else p_s  # the causal, decayed q kᵀ of the chunk
                 o = (o_inter + cp.matmul(intra, vn_ref, (C, BV))) * cfg.scale
