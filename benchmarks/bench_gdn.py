@@ -281,6 +281,14 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
         if row.get("fla", {}).get("patched_triton_gate") and mode == "fwdbwd":
             r["fla_note"] = "gated backward forced on for timing (TRITON_ABOVE_3_7_1)"
         out.append(r)
+        # forced segment counts (``--segments``): rows of their own, keyed by the count
+        for S, m in row.get("pallas_by_segments", {}).items():
+            f = {k: row[k] for k in ("variant", "shape", "dtype")} | {"mode": mode}
+            f |= {"segments": int(S), "pallas_ms": m.get(key)}
+            f["pallas_segments"] = row.get("pallas_segments")
+            if "error" in m:
+                f["pallas_error"] = m["error"]
+            out.append(f)
     return out
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results import RESULTS_DIR, TOPICS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MAX_LINES = 250  # one device's sections and a second device's op table
+MAX_LINES = 300  # one device's sections and a second device's op, segment and stage tables
 
 
 def load(directory: Path = RESULTS_DIR) -> dict[str, list[dict]]:
@@ -101,8 +101,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def op_rows(doc: dict) -> list[dict]:
+    """The ops file's rows of the op as users run it: no QAT, the segment count it picks."""
+    return [r for r in doc["rows"] if r.get("qat") is None and r.get("segments") is None]
+
+
 def ops_section(doc: dict) -> list[str]:
-    rows = [r for r in doc["rows"] if r.get("qat") is None]
+    rows = op_rows(doc)
     rows.sort(key=lambda r: (r["variant"] != "gdn", r["variant"], r["dtype"], r["shape"]))
     body = []
     for r in rows:
@@ -128,6 +133,7 @@ def ops_section(doc: dict) -> list[str]:
         out += ["", "![ops vs FLA](ops_vs_fla.png)"]
     if long_context_rows(doc):
         out += ["", "![GDN time vs sequence length at batch 1](ops_vs_T.png)"]
+    out += segments_section(doc)
     out += stages_section(doc.get("stages", []), doc)
     qat = [r for r in doc["rows"] if r.get("qat") is not None]
     if qat:
@@ -142,6 +148,39 @@ def ops_section(doc: dict) -> list[str]:
         out += _table(["shape", "mode", "QAT (state + w)", "pallas ms", "vs off", "runs"], body)
         out += _run_lines(qat, doc)
     return out
+
+
+def segments_section(doc: dict) -> list[str]:
+    """The pallas path at forced segment counts (``bench_gdn.py --segments``): one row per shape
+    and mode, each count's time against the fastest count's."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in doc["rows"]:
+        if r.get("segments") is not None:
+            groups.setdefault((r["variant"], r["dtype"], r["shape"], r["mode"]), []).append(r)
+    if not groups:
+        return []
+    body, rows = [], []
+    for key, rs in sorted(groups.items()):
+        rs.sort(key=lambda r: r["segments"])
+        timed = [r for r in rs if r.get("pallas_ms") is not None]
+        best = min(timed, key=lambda r: r["pallas_ms"]) if timed else None
+        ms = [(r["segments"], r.get("pallas_ms")) for r in rs]
+        cells = [f"S{n} {_ms(t)} ({_ratio(t, best['pallas_ms'] if best else None)})" for n, t in ms]
+        picked = {r.get("pallas_segments") for r in rs} - {None}
+        body.append([*key, str(best["segments"]) if best else "—", ", ".join(cells),
+                     ", ".join(map(str, sorted(picked))) or "—", _run_col(rs[0])])  # fmt: skip
+        rows += rs
+    out = ["", "### Segment counts", ""]
+    out += [
+        "The pallas path with each lane's chunk loops forced into S segments (`bench_gdn.py "
+        "--segments`), ms and (in brackets) the ratio to the fastest count of the same shape and "
+        "mode; `picked`: the count the path chose in that run (`segment_count` in "
+        "`gdn_jax/ops/_segments.py`).",
+        "",
+    ]
+    out += _table(["variant", "io", "shape", "mode", "fastest S", "pallas ms by S", "picked",
+                   "runs"], body)  # fmt: skip
+    return out + _run_lines(rows, doc)
 
 
 STAGE_TOP = 8  # kernels listed per pass; the rest are summed
@@ -430,7 +469,7 @@ def bar_rows(doc: dict | None) -> list[dict]:
     if doc is None:
         return []
     on_t_plot = {id(r) for group in long_context_rows(doc).values() for _, r in group}
-    rows = [r for r in doc["rows"] if r.get("qat") is None and r.get("fla_ms")]
+    rows = [r for r in op_rows(doc) if r.get("fla_ms")]
     rows = [r for r in rows if r["dtype"] == "bfloat16" and id(r) not in on_t_plot]
     return sorted(rows, key=lambda r: (r["variant"] != "gdn", r["variant"], r["shape"], r["mode"]))
 
@@ -469,9 +508,9 @@ def long_context_rows(doc: dict | None) -> dict[tuple[int, str], list[tuple[int,
     """GDN bf16 rows at batch 1 without packing, by (HV, mode): [(T, row)] sorted by T; only
     the groups with at least two sequence lengths (a line needs two points)."""
     groups: dict[tuple[int, str], list[tuple[int, dict]]] = {}
-    for r in [] if doc is None else doc["rows"]:
+    for r in [] if doc is None else op_rows(doc):
         m = _B1.match(r["shape"])
-        if m and r["variant"] == "gdn" and r["dtype"] == "bfloat16" and r.get("qat") is None:
+        if m and r["variant"] == "gdn" and r["dtype"] == "bfloat16":
             groups.setdefault((int(m.group(2)), r["mode"]), []).append((int(m.group(1)), r))
     return {k: sorted(v, key=lambda x: x[0]) for k, v in sorted(groups.items()) if len(v) > 1}
 

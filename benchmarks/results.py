@@ -22,7 +22,8 @@ the fields measured by a run other than ``run``.
 Row fields per topic:
 
 - ops: ``variant, shape, mode ("fwd" | "fwdbwd"), dtype, pallas_ms, xla_ms, fla_ms``
-  (+ ``floor_ms``; ``qat`` for QAT-cost rows);
+  (+ ``floor_ms``, ``pallas_segments``: the count the pallas path picked; ``qat`` for QAT-cost
+  rows; ``segments`` for the pallas path at a forced segment count, ``bench_gdn.py --segments``);
 - decode: ``variant, B, H, HV, K, V, floor_ms, pallas_ms, xla_ms, fla_ms`` (+ per-call times);
 - model: ``preset, layers, batch, seq, setting, step_ms, mfu, peak_gib, torch_eager_ms,
   torch_compile_ms`` (+ memory analysis, compile time);
@@ -56,7 +57,7 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 TOPICS = ("ops", "decode", "model", "sharding", "hf", "profile")
 # the fields that identify a row of each topic (rows with equal keys are the same measurement)
 KEYS = {
-    "ops": ("variant", "shape", "mode", "dtype", "qat"),
+    "ops": ("variant", "shape", "mode", "dtype", "qat", "segments"),
     "decode": ("variant", "B", "H", "HV", "K", "V"),
     "model": ("preset", "layers", "batch", "seq", "setting", "gpu"),
     "sharding": (

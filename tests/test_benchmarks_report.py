@@ -221,6 +221,40 @@ def test_stage_rows_of_both_impls_are_kept_and_rendered():
     assert report.stages_section([], doc) == []
 
 
+def test_forced_segment_rows_have_their_own_key_and_table():
+    """--segments times become rows keyed by their count: they replace only their own key, stay
+    out of the op table and the plots, and render in the segment-count table against the
+    fastest count of their shape and mode."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_gdn import ops_rows
+
+    results, report = _results(), _report()
+    run = dict(date="d0", commit="abc", command="bench_gdn.py --segments 4 8", note=None,
+               versions={})  # fmt: skip
+    measured = {
+        "variant": "gdn", "shape": "B1_T32768_H16_HV16_D128", "dtype": "bfloat16",
+        "pallas_segments": 8, "pallas": {"fwd_ms": 1.2, "fwdbwd_ms": 4.2},
+        "fla": {"fwd_ms": 1.6, "fwdbwd_ms": 5.9},
+        "pallas_by_segments": {"4": {"fwd_ms": 1.0, "fwdbwd_ms": 3.9},
+                               "8": {"fwd_ms": 1.2, "fwdbwd_ms": 4.3}},
+    }  # fmt: skip
+    rows = ops_rows(measured)
+    assert len(rows) == 6 and sorted(r.get("segments") or 0 for r in rows) == [0, 0, 4, 4, 8, 8]
+    doc = results.add_run(None, "ops", "GPU", run, rows)
+    again = results.add_run(doc, "ops", "GPU", run | dict(date="d1"), rows[1:2])
+    assert len(again["rows"]) == 6 and rows[1]["segments"] == 4
+    assert [r["run"] for r in again["rows"] if r.get("segments") == 4] == [1, 0]
+    assert [r.get("segments") for r in report.op_rows(again)] == [None, None]
+    text = "\n".join(report.ops_section(again))
+    seg = [ln for ln in text.split("### Segment counts")[1].splitlines() if ln.startswith("| gdn")]
+    assert len(seg) == 2
+    assert "| fwd | 4 | S4 1.000 (1.00), S8 1.200 (1.20) | 8 |" in seg[0]
+    assert "| fwdbwd | 4 | S4 3.900 (1.00), S8 4.300 (1.10) | 8 |" in seg[1]
+    assert text.split("### Segment counts")[0].count("| gdn |") == 2  # the op's own rows
+
+
 def test_kernel_times_keeps_device_kernels_only():
     import sys
     from types import SimpleNamespace as E

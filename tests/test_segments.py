@@ -48,10 +48,10 @@ f32 = jnp.float32
     "B,HV,T,nv,want",
     [
         (4, 16, 4096, 2, 1),  # 128 CTAs: a full wave already
-        (2, 16, 32768, 2, 4),  # 64 CTAs: two per SM after the split
-        (1, 16, 32768, 2, 8),  # 32 CTAs
-        (1, 8, 32768, 2, 16),
-        (1, 16, 131072, 2, 8),
+        (2, 16, 32768, 2, 2),  # 64 CTAs: one per SM after the split
+        (1, 16, 32768, 2, 4),  # 32 CTAs
+        (1, 8, 32768, 2, 8),
+        (1, 16, 131072, 2, 4),
         (1, 16, 4096, 2, 4),  # 64 chunks: segments of >= 16 chunks
         (1, 1, 1 << 20, 1, MAX_SEGMENTS),  # capped
         (1, 16, 2048, 2, 2),  # 32 chunks: segments of >= 16 chunks
@@ -64,21 +64,21 @@ def test_segment_count(B, HV, T, nv, want):
 
 
 def test_segment_count_follows_the_sm_count():
-    assert segment_count(1, 16, 32768, 2, sms=264) == 16
+    assert segment_count(1, 16, 32768, 2, sms=264) == 8
     assert segment_count(1, 16, 32768, 2, sms=48) == 1
 
 
 def test_channel_default_segments():
     """KDA/GDN2's forward loop splits as GDN's does (64-column value blocks): B1 T32768 HV16 in
-    8 segments (packed: one lane), B4 T4096 not at all, and never with the QAT state quant."""
+    4 segments (packed: one lane), B4 T4096 not at all, and never with the QAT state quant."""
     from gdn_jax.ops._channel_pallas import ChannelConfig, _segments_for
     from gdn_jax.qat import QATConfig
 
     cfg = ChannelConfig(scale=1.0, scalar_beta=True)
     bf = jnp.bfloat16
     cu = jnp.asarray([0, 1000, 32768], jnp.int32)
-    assert _segments_for(cfg, 1, 32768, 16, 128, 128, bf, None) == 8
-    assert _segments_for(cfg, 1, 32768, 16, 128, 128, bf, cu) == 8
+    assert _segments_for(cfg, 1, 32768, 16, 128, 128, bf, None) == 4
+    assert _segments_for(cfg, 1, 32768, 16, 128, 128, bf, cu) == 4
     assert _segments_for(cfg, 4, 4096, 16, 128, 128, bf, None) == 1
     qat = ChannelConfig(scale=1.0, qat=QATConfig(sites=("state",)))
     assert _segments_for(qat, 1, 32768, 16, 128, 128, bf, None) == 1

@@ -51,7 +51,7 @@ __all__ = [
 SM_COUNT = 132  # H200 (and H100 SXM)
 MIN_SEGMENT_CHUNKS = 16  # shorter segments do not repay the segment pass and the combine
 MAX_SEGMENTS = 16  # the combine is sequential over segments
-CTAS_PER_SM = 2  # segment-loop CTAs the split aims at per SM (see segment_count)
+CTAS_PER_SM = 1  # segment-loop CTAs the split aims at per SM (see segment_count)
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -60,10 +60,12 @@ def segment_count(B: int, HV: int, T: int, v_blocks: int, sms: int = SM_COUNT) -
     """How many segments the chunk loops split each lane into.
 
     One CTA per (batch row, value head, value block) runs a lane's chunks in order. Below half a
-    wave (``2 · B · HV · v_blocks ≤ sms``) every lane is cut into ``2 · sms // (B · HV · v_blocks)``
-    segments (two CTAs per SM: at B1 T32768 HV16 on the H200 the kernels' forward took 1.40,
-    1.12 and 0.85 ms at S = 1, 2 and 8, ``bench_gdn.py --segments``), at most
-    :data:`MAX_SEGMENTS` and with at least :data:`MIN_SEGMENT_CHUNKS` chunks of 64 each.
+    wave (``2 · B · HV · v_blocks ≤ sms``) every lane is cut into ``sms // (B · HV · v_blocks)``
+    segments (one loop CTA per SM: a loop step is bound by its latency, and a second CTA on the
+    SM slows both more than the longer segments cost; GDN's forward at B1 on the H100,
+    ``bench_gdn.py --segments``, the "Segment counts" table of benchmarks/RESULTS.md: T32768 HV16
+    fastest at S = 4, T8192 HV16 at S = 4, T16384 HV8 at S = 8), at most :data:`MAX_SEGMENTS`
+    and with at least :data:`MIN_SEGMENT_CHUNKS` chunks of 64 each.
 
     Args:
       B: lanes (batch rows; 1 for packed sequences on one lane).
