@@ -73,8 +73,12 @@ not fit at K = block_v = 128. v_new and o stay f16 (the update has no state oper
 Shared memory (K = 128, 16-bit io): the forward at ``block_v = 64`` holds two pipeline stages of
 the chunk inputs (~113 KB scalar gate, ~130 KB channel), the staged S, v_new and o tiles
 double-buffered, and the scalar gate's P and decayed keys; a packed lane's f32 staging tile
-leaves room for one o tile. A whole-state CTA (``block_v = 128``) has one pipeline stage and one o
-tile.
+leaves room for one o tile. A whole-state CTA (``block_v = 128``, QAT ``"matrix"``) has one o
+tile; the scalar gate's keeps two pipeline stages (~129 KB), so the memory warpgroup loads chunk
+c + 1 while the roles work on chunk c, with one slot of S and v_new (the state role waits for
+each step's ``free``) whose space, with the keys tile's, holds the f32 h0 / end-state tile
+(~217 KB in all); the channel's (~145 KB of inputs per stage) has one pipeline stage and both
+slots.
 """
 
 from __future__ import annotations
@@ -213,6 +217,8 @@ def _step_tiles(tiles, *, store_h: bool, channel: bool, packed: bool, poisoned: 
 # the forward loop's state-role warpgroup (the output role is warpgroup 1; the memory warpgroup,
 # which runs the TMA pipeline, is the last)
 _STATE = 0
+# the state role's SMEM tiles, in the order they share memory with the f32 state staging tile
+_STATE_TILES = ("s", "vn", "kd")
 
 
 def _fwd_body(
@@ -235,25 +241,28 @@ def _fwd_body(
     # f16 io: the state is staged as f16 with one scale per column (its range is kept; the
     # output warpgroup reads the scales from SMEM)
     scaled = dt == jnp.float16
-    # shared memory: a whole-state CTA (block_v = 128) has one pipeline stage and one o tile; a
-    # packed lane's state staging tile leaves room for one o tile, which the scalar gate's P
-    # shares (both [C, C] at block_v = 64: P is formed once the last o store has read the tile)
-    stages = 2 if BV == 64 else 1
-    o_single = packed or BV == 128
+    # shared memory (module docstring): a whole-state CTA (block_v = 128) of the scalar gate has
+    # one slot of the staged tiles, so the state role waits for each step's ``free``; the
+    # channel's has one pipeline stage instead; both have one o tile. A packed lane's state
+    # staging tile leaves room for one o tile, which the scalar gate's P shares (both [C, C] at
+    # block_v = 64: P is formed once the last o store has read the tile)
+    whole = BV == 128
+    stages = 1 if whole and channel else 2
+    slots = 1 if whole and not channel else 2
+    o_single = packed or whole
     p_in_o = packed and not channel
     specs, ins = _pipeline_inputs(
         r, store_h=False, channel=channel, b=b, hk=hk, hv=hv, iv=iv, at=at, BV=BV
     )
 
-    def scoped(s_s, vn_s, o_s, ready, free, st_bar, *bufs):
-        bufs = list(bufs)
-        if packed:  # its own f32 tile: sequences start and end mid-loop
-            st_s = bufs.pop(0)
-        else:  # h0 and the final state: the staged-state tiles' memory, before and after the loop
-            s_s, st_s = s_s
-        kd_s = None if channel else bufs.pop(0)
-        p_s = o_s if p_in_o else (None if channel else bufs.pop(0))
-        sc_s = bufs.pop(0) if scaled else None
+    def scoped(r_s):
+        if not packed:  # h0 and the final state: the state role's tiles' memory (RefUnion)
+            state_tiles, r_s["st"] = r_s.pop("union")
+            r_s.update(zip(_STATE_TILES, state_tiles, strict=False))
+        s_s, vn_s, o_s, st_s = r_s["s"], r_s["vn"], r_s["o"], r_s["st"]
+        ready, free, st_bar = r_s["ready"], r_s["free"], r_s["st_bar"]
+        kd_s, sc_s = r_s.get("kd"), r_s.get("sc")
+        p_s = o_s if p_in_o else r_s.get("p")
 
         def ctx(run):
             zeros = cp.to_wgmma(jnp.zeros((K, BV), f32))
@@ -273,8 +282,8 @@ def _fwd_body(
             def _():
                 # the output warpgroup's last reads of the staged tiles (every phase of a
                 # barrier is waited for), then the end state
-                for j in range(min(nt, 2)):
-                    plgpu.barrier_wait(free.at[(nt - 1 - j) % 2])
+                for j in range(min(nt, slots)):
+                    plgpu.barrier_wait(free.at[(nt - 1 - j) % slots])
                 if not packed:
                     st_s[...] = S
                     plgpu.commit_smem()
@@ -286,10 +295,10 @@ def _fwd_body(
             *tiles, S = args
             t = _step_tiles(tiles, store_h=False, channel=channel, packed=packed, poisoned=poisoned)
             (c,) = idx
-            slot = lax.rem(c, 2)
+            slot = lax.rem(c, slots)
             # the state entering chunk c (staged), v_new and f16's column scales: written by the
-            # state role, read by the output role; a slot is rewritten two steps later, once
-            # the output role has released it (``free``)
+            # state role, read by the output role; a slot is rewritten ``slots`` steps later,
+            # once the output role has released it (``free``)
             s_ref, vn_ref = s_s.at[slot], vn_s.at[slot]
             sc_ref = sc_s.at[slot] if scaled else None
 
@@ -301,7 +310,7 @@ def _fwd_body(
                     # decayed update use it (as the xla path does)
                     S = fake_quant_e4m3(S, STATE_QUANT[cfg.state_quant])
 
-                @pl.when(c >= 2)
+                @pl.when(c >= slots)
                 def _():
                     plgpu.barrier_wait(free.at[slot])
 
@@ -387,24 +396,29 @@ def _fwd_body(
             compute_context=ctx,
         )(*ins)
 
-    staged = cp.smem((2, K, BV), dt)
-    scratch = [
-        staged if packed else plgpu.RefUnion(staged, cp.smem((K, BV), f32)),
-        cp.smem((2, C, BV), dt),  # v_new
-        cp.smem((C, BV) if o_single else (2, C, BV), dt),  # o
-        plgpu.Barrier(num_barriers=2),  # ready: the state role has staged S and v_new
-        plgpu.Barrier(num_barriers=2),  # free: the output role has read them
-        plgpu.Barrier(),  # the h0 loads
-    ]
+    state_tiles = [cp.smem((slots, K, BV), dt)]  # the staged state
+    if whole and not channel:  # the f32 staging tile needs the keys' and v_new's space too
+        state_tiles += [cp.smem((slots, C, BV), dt), cp.smem((C, K), dt)]
+    scratch = dict(
+        o=cp.smem((C, BV) if o_single else (2, C, BV), dt),
+        ready=plgpu.Barrier(num_barriers=slots),  # the state role has staged S and v_new
+        free=plgpu.Barrier(num_barriers=slots),  # the output role has read them
+        st_bar=plgpu.Barrier(),  # the h0 loads
+    )
+    st = cp.smem((K, BV), f32)  # h0 / final state staging
     if packed:
-        scratch.append(cp.smem((K, BV), f32))  # h0 / final state staging
-    if not channel:
-        scratch.append(cp.smem((C, K), dt))  # k ⊙ e^{G_last − G}
+        scratch.update(zip(_STATE_TILES, state_tiles, strict=False), st=st)
+    else:
+        scratch["union"] = plgpu.RefUnion(tuple(state_tiles), st)
+    if len(state_tiles) == 1:
+        scratch["vn"] = cp.smem((slots, C, BV), dt)
+        if not channel:
+            scratch["kd"] = cp.smem((C, K), dt)  # k ⊙ e^{G_last − G}
     if not channel and not p_in_o:
-        scratch.append(cp.smem((C, C), dt))  # P
+        scratch["p"] = cp.smem((C, C), dt)
     if scaled:
-        scratch.append(plgpu.SMEM((2, BV), f32))  # the staged state's column scales
-    pl.run_scoped(scoped, *scratch, collective_axes=cp.WG_AXIS)
+        scratch["sc"] = plgpu.SMEM((slots, BV), f32)  # the staged state's column scales
+    pl.run_scoped(lambda **r_s: scoped(r_s), **scratch, collective_axes=cp.WG_AXIS)
 
 
 def _store_h_body(*refs, cfg: ChunkFwdConfig, channel: bool, group: int, nt: int, packed: bool):

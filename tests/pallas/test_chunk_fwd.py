@@ -4,7 +4,8 @@ Its two compute warpgroups hand the staged state and v_new over through double-b
 tiles and two barriers per slot; these tests run the loop itself in the Mosaic GPU interpreter at
 chunk counts that reach every case of that hand-over (one chunk: no slot reused; two: both slots,
 none reused; three and five: slots reused, odd and even ends), for both gate shapes, bf16 and f16,
-with an initial state, and against the backward's recomputation (``store_h``) of the same loop.
+with an initial state, and against the backward's recomputation (``store_h``) of the same loop;
+and the whole-state CTA (``block_v = 128``), whose scalar gate hands over through one slot.
 The GPU runs the same loop in every op-level GPU test (``-m gpu``).
 """
 
@@ -62,12 +63,16 @@ def _inputs(rng, channel, T, K, V):
 
 
 @pytest.mark.parametrize("channel", [False, True], ids=["scalar", "channel"])
-@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_interpret_forward_matches_recurrence(channel, chunks, dtype):
+@pytest.mark.parametrize(
+    "chunks,dtype,block_v",
+    [(n, dt, 64) for n in (1, 2, 3, 5) for dt in ("bfloat16", "float16")]
+    # the whole-state CTA (QAT "matrix"): the scalar gate's one slot, the channel's one stage
+    + [(n, "bfloat16", 128) for n in (1, 2, 3)],
+)
+def test_interpret_forward_matches_recurrence(channel, chunks, dtype, block_v):
     """o and the final state within the io rounding of the staged operands (2^-8 relative for
     bf16: a swapped or stale slot is off by the whole state's contribution)."""
-    K = V = 64
+    K = V = block_v
     T = chunks * C
     rng = np.random.default_rng(chunks + 10 * channel)
     q, k, w, u, gate, a, h0 = _inputs(rng, channel, T, K, V)
@@ -76,7 +81,7 @@ def test_interpret_forward_matches_recurrence(channel, chunks, dtype):
     a = None if a is None else _io(a, dt)
     scale = K**-0.5
     o_ref, s_ref = _reference(channel, q, k, w, u, gate, a, h0, scale)
-    cfg = ChunkFwdConfig(scale=scale, block_v=64)
+    cfg = ChunkFwdConfig(scale=scale, block_v=block_v)
 
     def head(x):  # [T, n] -> [1, T, 1, n]
         return jnp.asarray(x, dt)[None, :, None, :]
@@ -91,7 +96,7 @@ def test_interpret_forward_matches_recurrence(channel, chunks, dtype):
                 )  # fmt: skip
                 h, vn = channel_chunk_fwd(
                     None, head(k), head(w), head(u), None, egl, jnp.asarray(h0)[None, None],
-                    ChunkFwdConfig(scale=scale, block_v=64, store_h=True),
+                    ChunkFwdConfig(scale=scale, block_v=block_v, store_h=True),
                 )  # fmt: skip
             else:
                 G = jnp.asarray(gate)[None, None]
@@ -100,7 +105,7 @@ def test_interpret_forward_matches_recurrence(channel, chunks, dtype):
                 )
                 h, vn = chunk_fwd(
                     None, head(k), head(w), head(u), G, jnp.asarray(h0)[None, None],
-                    ChunkFwdConfig(scale=scale, block_v=64, store_h=True),
+                    ChunkFwdConfig(scale=scale, block_v=block_v, store_h=True),
                 )  # fmt: skip
             o, ht, h = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (o, ht, h))
         finally:
