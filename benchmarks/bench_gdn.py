@@ -263,9 +263,17 @@ MODES = (("fwd", "fwd_ms"), ("fwdbwd", "fwdbwd_ms"))
 
 def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
     """One measured shape (``{"shape", "variant", "dtype", impl: {"fwd_ms", ...}}``) as result
-    rows, one per mode: ``{impl}_ms`` (None where not measured) and ``{impl}_error``."""
+    rows, one per mode that was timed (``--fwd-only`` gives no fwdbwd rows, so it keeps those of
+    an earlier run): ``{impl}_ms`` (None where not measured) and ``{impl}_error``; and one per
+    forced segment count and timed mode."""
+
+    def timed(m: dict, key: str) -> bool:
+        return m.get(key) is not None or "error" in m
+
     out = []
     for mode, key in MODES:
+        if not any(timed(row.get(impl, {}), key) for impl in ("pallas", "xla", "fla")):
+            continue
         r = {k: row[k] for k in ("variant", "shape", "dtype")} | {"mode": mode}
         if qat is not None:
             r["qat"] = qat
@@ -283,6 +291,8 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
         out.append(r)
         # forced segment counts (``--segments``): rows of their own, keyed by the count
         for S, m in row.get("pallas_by_segments", {}).items():
+            if not timed(m, key):
+                continue
             f = {k: row[k] for k in ("variant", "shape", "dtype")} | {"mode": mode}
             f |= {"segments": int(S), "pallas_ms": m.get(key)}
             f["pallas_segments"] = row.get("pallas_segments")

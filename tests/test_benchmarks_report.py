@@ -253,6 +253,15 @@ def test_forced_segment_rows_have_their_own_key_and_table():
     assert "| fwd | 4 | S4 1.000 (1.00), S8 1.200 (1.20) | 8 |" in seg[0]
     assert "| fwdbwd | 4 | S4 3.900 (1.00), S8 4.300 (1.10) | 8 |" in seg[1]
     assert text.split("### Segment counts")[0].count("| gdn |") == 2  # the op's own rows
+    # a forward-only run gives no fwdbwd rows, so it leaves those of an earlier run in place
+    fwd_only = {k: v for k, v in measured.items() if k not in ("pallas", "fla")}
+    fwd_only["pallas"] = {"fwd_ms": 1.1}
+    fwd_only["pallas_by_segments"] = {"4": {"fwd_ms": 0.9}, "8": {"error": "ValueError: x"}}
+    rows = ops_rows(fwd_only)
+    assert [(r["mode"], r.get("segments")) for r in rows] == [("fwd", None), ("fwd", 4), ("fwd", 8)]
+    later = results.add_run(again, "ops", "GPU", run | dict(date="d2"), rows)
+    kept = [r for r in later["rows"] if r["mode"] == "fwdbwd"]
+    assert len(kept) == 3 and all(r["pallas_ms"] is not None for r in kept)
 
 
 def test_kernel_times_keeps_device_kernels_only():
