@@ -77,8 +77,8 @@ leaves room for one o tile. A whole-state CTA (``block_v = 128``, QAT ``"matrix"
 tile; the scalar gate's keeps two pipeline stages (~129 KB), so the memory warpgroup loads chunk
 c + 1 while the roles work on chunk c, with one slot of S and v_new (the state role waits for
 each step's ``free``) whose space, with the keys tile's, holds the f32 h0 / end-state tile
-(~217 KB in all); the channel's (~145 KB of inputs per stage) has one pipeline stage and both
-slots.
+(224 312 B as Mosaic lowers it, bf16); the channel's (~145 KB of inputs per stage) has one
+pipeline stage and both slots.
 """
 
 from __future__ import annotations
@@ -396,9 +396,13 @@ def _fwd_body(
             compute_context=ctx,
         )(*ins)
 
-    state_tiles = [cp.smem((slots, K, BV), dt)]  # the staged state
-    if whole and not channel:  # the f32 staging tile needs the keys' and v_new's space too
-        state_tiles += [cp.smem((slots, C, BV), dt), cp.smem((C, K), dt)]
+    # the state role's tiles (_STATE_TILES order): the staged state, v_new, the decayed keys
+    state_tiles = [cp.smem((slots, K, BV), dt), cp.smem((slots, C, BV), dt)]
+    if not channel:
+        state_tiles.append(cp.smem((C, K), dt))
+    # the f32 staging tile shares the staged state's memory; a whole-state CTA's needs v_new's
+    # and the keys' too
+    shared = len(state_tiles) if whole and not channel else 1
     scratch = dict(
         o=cp.smem((C, BV) if o_single else (2, C, BV), dt),
         ready=plgpu.Barrier(num_barriers=slots),  # the state role has staged S and v_new
@@ -406,14 +410,11 @@ def _fwd_body(
         st_bar=plgpu.Barrier(),  # the h0 loads
     )
     st = cp.smem((K, BV), f32)  # h0 / final state staging
-    if packed:
+    if packed:  # its own f32 tile: sequences start and end mid-loop
         scratch.update(zip(_STATE_TILES, state_tiles, strict=False), st=st)
     else:
-        scratch["union"] = plgpu.RefUnion(tuple(state_tiles), st)
-    if len(state_tiles) == 1:
-        scratch["vn"] = cp.smem((slots, C, BV), dt)
-        if not channel:
-            scratch["kd"] = cp.smem((C, K), dt)  # k ⊙ e^{G_last − G}
+        scratch["union"] = plgpu.RefUnion(tuple(state_tiles[:shared]), st)
+        scratch.update(zip(_STATE_TILES[shared:], state_tiles[shared:], strict=False))
     if not channel and not p_in_o:
         scratch["p"] = cp.smem((C, C), dt)
     if scaled:
