@@ -30,9 +30,20 @@ def ex2_exp(x: jax.Array) -> jax.Array:
     return jnp.exp2(x * LOG2E)
 
 
+def round_tf32(x: jax.Array) -> jax.Array:
+    """f32 ``x`` rounded to tf32 (11 significant bits, f32's range), to nearest with ties away
+    from zero, still as f32: the tensor cores read a tf32 operand's f32 bits and drop the low 13
+    (a truncation, twice the rounding error), so operands are rounded here first. |x| must be
+    finite and below 2^128 · (1 − 2^-12) (no carry into the infinity bit pattern)."""
+    u = lax.bitcast_convert_type(x, jnp.uint32)
+    u = (u + jnp.uint32(1 << 12)) & jnp.uint32(0xFFFFE000)
+    return lax.bitcast_convert_type(u, jnp.float32)
+
+
 __all__ = [
     "CHUNK",
     "ex2_exp",
+    "round_tf32",
     "unit_lower_inverse",
     "col_vec_row",
     "chunk_coords",

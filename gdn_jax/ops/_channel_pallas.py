@@ -13,11 +13,11 @@ gate of a padded row is that of the last valid row. Per-token log-decays are cla
 :data:`MIN_LOG_DECAY` (-10) first, which bounds every factor of the kernels' sub-chunk decay
 factoring by e^{80} (finite in f32/bf16) and changes results by at most e^{-10} relative.
 
-f16 io (K, V ∈ {64, 128}, K ≠ V included): the kernels stage those decay-factored operands as
-bf16 hi/lo pairs (f32 range, ~16-bit precision; f16 could hold neither their size nor their
-spread) and the f32 state and its gradient as f16 with one scale per row or column (as the GDN
-kernels do). H200 tests, K = V and K ≠ V: forward and every gradient within 2x of the f16
-recurrence's error, log-decay −5 per token included.
+f16 io (K, V ∈ {64, 128}, K ≠ V included): the kernels stage those decay-factored operands with
+f32's range (f16 could hold neither their size nor their spread): the intra kernel as tf32 (one
+product), the backward as bf16 hi/lo pairs (~16-bit precision); and the f32 state and its gradient
+as f16 with one scale per row or column (as the GDN kernels do). H200 tests, K = V and K ≠ V:
+forward and every gradient within 2x of the f16 recurrence's error, log-decay −5 per token included.
 
 QAT (``qat``, a :class:`gdn_jax.qat.QATConfig`): fused as in the GDN kernels. The intra kernel
 fake-quantises w before storing it and the state loop the state entering each chunk, in the

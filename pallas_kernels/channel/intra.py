@@ -45,8 +45,13 @@ A, the gated v) are 16-bit. Outputs are stored in the io dtype.
 f16 io (q, k, v and the outputs f16): the factored operands of L and Aqk,
 ``x_i e^{G_i − r_J}`` and ``k_j e^{r_J − G_j}``, reach e^{8·|g|} (e^{40} at log-decay −5 per
 token), beyond f16's 65504, and span more than its dynamic range within a block, so they are
-staged as bf16 pairs hi = bf16(x), lo = bf16(x − hi) (f32's range, ~16 bits) and multiplied as
-hi·hi + hi·lo + lo·hi into the same f32 accumulator. Everything else stays f16: A (|A| bounded
+staged in f32 tiles rounded to tf32 (f32's range, f16's 11-bit significand;
+:func:`pallas_kernels._tiles.round_tf32`) and multiplied by one tf32 wgmma: half bf16's rate,
+where bf16 hi/lo pairs (hi·hi + hi·lo + lo·hi) would take three bf16 products (on the H200 at
+KDA B4 T4096 HV16 ``chan_intra(store_a)`` takes 0.713 ms in f16 against 0.647 ms in bf16,
+``bench_gdn.py --stages``, RESULTS.md's stage table). Both operands of a tf32
+wgmma must be K-major, which these are (rows [C, 64] and the column block's [16, 64] rows, both
+with the key channels contiguous). Everything else stays f16: A (|A| bounded
 by the inverse's size), the gated k and v operands of w and u (factors ≤ 1), qg, kg (factors
 ≤ 1), Aqk (≤ |q||k|). Values below f16's smallest normal (6.1e-5, e.g. qg and w rows under
 strong decay) are stored subnormal, like any f16 rounding of them.
@@ -130,52 +135,39 @@ class _Factored:
     """The decay-factored products both kernels form (L in the wy kernel, Aqk in the qk kernel),
     with their scratch tiles, for io dtype ``dt``.
 
-    f16 io stages the factored operands as bf16 hi/lo pairs in their own pass-scoped tiles (the
-    f16 staging tiles keep the other roles: outputs, Aqk); bf16 io stages them in ``dt``."""
+    bf16 io stages the factored operands in bf16; f16 io in f32 tiles rounded to tf32
+    (:func:`_tiles.round_tf32`), multiplied by one tf32 wgmma, in their own pass-scoped tiles
+    (the f16 staging tiles keep the other roles: outputs, Aqk)."""
 
     def __init__(self, dt):
         self.dt = dt
-        self.hilo = dt == jnp.float16
+        self.wide = dt == jnp.float16
+        self.op_dt = f32 if self.wide else dt
 
     def tile(self, dtype=None):
         """One [C, 64] scratch tile (16-bit operand by default)."""
         return cp.smem((CHUNK, HALF), self.dt if dtype is None else dtype)
 
-    def hilo_tiles(self) -> tuple:
-        """(row, column) operand pairs, each (hi, lo) bf16 tiles; none for bf16 io."""
-        if not self.hilo:
+    def wide_tiles(self) -> tuple:
+        """The (row, column) f32 operand tiles of f16 io; none for bf16 io."""
+        if not self.wide:
             return ()
-        return tuple((self.tile(jnp.bfloat16), self.tile(jnp.bfloat16)) for _ in range(2))
+        return (self.tile(f32), self.tile(f32))
 
     def stage(self, s, val):
-        """Stages the factored operand ``val`` ([C, 64] f32): in ``dt`` into the tile ``s``, or
-        for f16 io as the bf16 pair hi = bf16(val), lo = bf16(val − hi) into ``s = (hi, lo)``
-        (the factors reach e^{8·|g|}, beyond f16's 65504; bf16 has f32's range and hi + lo
-        ~16 bits of precision)."""
-        if not self.hilo:
-            s[...] = val.astype(self.dt)
-            return
-        hi = val.astype(jnp.bfloat16)
-        s[0][...] = hi
-        s[1][...] = (val - hi.astype(f32)).astype(jnp.bfloat16)
+        """Stages the factored operand ``val`` ([C, 64] f32) into the tile ``s``: in bf16 for
+        bf16 io, for f16 io rounded to tf32 in an f32 tile (the factors reach e^{8·|g|}, beyond
+        f16's 65504; tf32 has f32's range and f16's 11-bit significand)."""
+        s[...] = _tiles.round_tf32(val) if self.wide else val.astype(self.dt)
 
     def col_block(self, col_s, J):
-        """The B operand of column block J: rows 16 J … 16 J + 15 of the column operand tile
-        (or of each tile of a hi/lo pair), transposed, [64, 16]."""
-        if not self.hilo:
-            return col_s.at[pl.ds(SUB * J, SUB)].T
-        return tuple(t.at[pl.ds(SUB * J, SUB)].T for t in col_s)
+        """The B operand of column block J: rows 16 J … 16 J + 15 of the column operand tile,
+        transposed, [64, 16] (K-major, as tf32 wgmma requires)."""
+        return col_s.at[pl.ds(SUB * J, SUB)].T
 
     def issue(self, acc, row_s, col_t):
-        """acc += row · col_t (asynchronous, 64 × 16 × 64); for hi/lo pairs hi·hi + hi·lo +
-        lo·hi (lo·lo, ~2^-18 relative, is below the pair's own ~2^-16)."""
-        if not self.hilo:
-            plgpu.wgmma(acc, row_s, col_t)
-            return
-        (rh, rl), (ch, cl) = row_s, col_t
-        plgpu.wgmma(acc, rh, ch)
-        plgpu.wgmma(acc, rh, cl)
-        plgpu.wgmma(acc, rl, ch)
+        """acc += row · col_t (asynchronous, 64 × 16 × 64)."""
+        plgpu.wgmma(acc, row_s, col_t)
 
     def pass_products(self, dec, x, row_s, col_s, k_f32, acc):
         """``acc`` (None: 0) plus this pass's 64 key columns of Σ_d x_id k_jd e^{G_id − G_jd},
@@ -248,8 +240,8 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     1 KiB reserved per CTA), so two CTAs share an SM (tests/pallas/test_channel_pallas.py::
     test_lowers_for_cuda checks each kernel's count against its plan's budget).
 
-    f16 io: the L operands are bf16 hi/lo pairs, four [C, 64] bf16 tiles (32 768 B) in each
-    pass's scope (the f16 staging tiles cannot hold bf16). To stay under half an SM, the
+    f16 io: the L operands are tf32, two [C, 64] f32 tiles (32 768 B) in each pass's scope (the
+    f16 staging tiles cannot hold them). To stay under half an SM, the
     inverse scratch x, oy and the output staging (32 768 B, used only after the L passes) are
     allocated in the tail's scope instead of "always": peak = always (32 880 / 33 096) +
     L pass (66 560 / 58 400).
@@ -268,7 +260,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     kpass, vpass = k_g.shape[-1] // HALF, v_g.shape[-1] // HALF  # 64-column passes over K and V
     dt = k_g.dtype
     fp = _Factored(dt)
-    hilo = fp.hilo
+    wide = fp.wide
 
     def outer(x_o, oy_o, wop_s, v_s, st_o, be_s, bar):
         """x_o, oy_o (inverse scratch), st_o (operand / output staging): None for f16 io,
@@ -298,7 +290,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
             def bk():  # the erase-gated key (KDA: β is applied to L's rows instead)
                 return k_f32() if scalar else cp.load_tile(bk_s).astype(f32)
 
-            row_s, col_s = ops if hilo else st_o
+            row_s, col_s = ops if wide else st_o
             L = fp.pass_products(dec, bk(), row_s, col_s, k_f32, L)
             # w's right operand b ⊙ e^G ⊙ k for these columns; the commit is also the
             # warpgroup barrier past which the next pass's loads may overwrite this scope
@@ -313,7 +305,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
             fp.tile(f32),  # G
             cp.smem((NSUB, HALF), f32, swizzled=False),  # reference rows
             cp.smem((8,), f32) if scalar else fp.tile(),  # bk (GDN2)
-            *fp.hilo_tiles(),
+            *fp.wide_tiles(),
         )
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
@@ -323,7 +315,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
             L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
 
         def tail(*own):
-            x_s, oy_s, st_s = own if hilo else (x_o, oy_o, st_o)
+            x_s, oy_s, st_s = own if wide else (x_o, oy_o, st_o)
             a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
             beta = be_s if scalar else None  # GDN2: be_s is an unused placeholder
             oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, beta, dt).astype(dt)
@@ -361,7 +353,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                 put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
             plgpu.wait_smem_to_gmem(0)
 
-        if hilo:
+        if wide:
             pl.run_scoped(tail, *late_tiles())
         else:
             tail()
@@ -381,9 +373,9 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     # (and bk)
     n_bar = vpass + 1 + 3 * kpass if scalar else vpass + 4 * kpass
     bar_spec = plgpu.Barrier(num_barriers=n_bar)
-    if hilo:
+    if wide:
         # f16 io: the tiles used only after the L passes (inverse scratch, output staging)
-        # live in the tail's scope, the alternative to the passes' bf16 hi/lo tiles, so the
+        # live in the tail's scope, the alternative to the passes' f32 operand tiles, so the
         # CTA stays under half an SM
         pl.run_scoped(
             lambda wop_s, v_s, be_s, bar: outer(None, None, wop_s, v_s, None, be_s, bar),
@@ -409,8 +401,8 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
       pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 256
                                                       34 048
 
-    Peak 66 896 B (bf16), so three CTAs share an SM; f16 io adds the pass's four bf16 hi/lo
-    tiles (32 768 B): 99 664 B, two CTAs per SM.
+    Peak 66 896 B (bf16), so three CTAs share an SM; f16 io adds the pass's two f32 (tf32)
+    operand tiles (32 768 B): 99 664 B, two CTAs per SM.
     """
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
@@ -457,7 +449,7 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_s[0], qg_g.at[b, rows, hv, _cols(p)])
             plgpu.copy_smem_to_gmem(out_s[1], kg_g.at[b, rows, hv, _cols(p)])
-            row_s, col_s = ops if fp.hilo else st_s
+            row_s, col_s = ops if fp.wide else st_s
             P = fp.pass_products(dec, q_f32(), row_s, col_s, k_f32, P)
             plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
             return P
@@ -468,7 +460,7 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
             fp.tile(),  # q
             fp.tile(),  # k
             *decay_smem(C, HALF),  # G, reference rows, G_last
-            *fp.hilo_tiles(),
+            *fp.wide_tiles(),
         )
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)

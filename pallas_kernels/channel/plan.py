@@ -29,7 +29,7 @@ per sequence would quantise the state again in every padding chunk after a short
 Reasons:
 
 - intra: column-block decay factoring runs one 64 × 64 × K product's worth per L and Aqk (a
-  64 × 16 × K product per column block) and leaves shared memory for f16's bf16 hi/lo
+  64 × 16 × K product per column block) and leaves shared memory for f16's f32 (tf32)
   operands, so one form serves every call. L → A → w, u and Aqk, qg, kg share only k and G, so
   they are two kernels, each with its own registers and shared memory: at KDA B4 T4096 HV16
   K = V = 128 on the H200 the two take 0.349 + 0.280 ms where one kernel with both tasks as

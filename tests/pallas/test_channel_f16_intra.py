@@ -1,16 +1,17 @@
-"""f16 io of the channel-decay intra kernel: bf16 hi/lo factored operands.
+"""f16 io of the channel-decay intra kernel: tf32 factored operands.
 
 With f16 q, k, v the decay-factored operands of the L and Aqk products (``x_i e^{G_i − r_J}``
 and ``k_j e^{r_J − G_j}`` around the reference row r_J of column block J, factors up to
 e^{8·|g|}: e^{40} at a log-decay of −5 per token) do not fit f16 (max 65504); the kernel stages
-them as bf16 hi/lo pairs and accumulates hi·hi + hi·lo + lo·hi in f32. Everything else (A, the
-gated k and v, the outputs) stays f16.
+them in f32 tiles rounded to tf32 (f32's range, 11 significant bits) for one tf32 product per
+block. Everything else (A, the gated k and v, the outputs) stays f16.
 
 Checked: every output against the stage's formulas in f32 jnp on the same f16 inputs (per-token
 log-decays −5, −0.1 and 0 in every channel, and random ones in [−1, 0]); a jnp emulation of the
-factored Aqk product shows that plain f16 operands overflow at −5 per token while the hi/lo
-pair meets the tolerance. The f16 kernels' CUDA lowering within half an SM's shared memory per CTA
-is checked with the op's in test_channel_pallas.py::test_lowers_for_cuda.
+factored Aqk product shows that plain f16 operands overflow at −5 per token, plain bf16 ones miss
+the tolerance, and tf32-rounded ones (the kernel's :func:`round_tf32`) meet it; the rounding itself
+is checked bit by bit against its definition. The f16 kernels' CUDA lowering within half an SM's
+shared memory per CTA is checked with the op's in test_channel_pallas.py::test_lowers_for_cuda.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from test_channel_intra import OUTS, _refs
 from test_channel_pallas_bwd import _chunks, _explicit, core_case
 
 from gdn_jax.testing import check_2x, rel_rms
+from pallas_kernels._tiles import round_tf32
 from pallas_kernels.channel.intra import ChannelIntraConfig, channel_intra
 
 f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
@@ -31,10 +33,10 @@ F16_MAX = 65504.0
 # Relative RMS tolerance per output. Each output is rounded once to f16 (unit roundoff 2^-11,
 # relative RMS ≈ 2^-11/√3 ≈ 2.8e-4); w and u also take A and their right operands as f16
 # tensor-core operands (a few roundings of that size; measured ≤ 3.5e-4 at the tiny shapes); the
-# factored L / Aqk operands carry ~2^-16 (hi/lo pairs). 1e-3 is about three f16 roundings and a
-# twentieth of the bf16 kernels' tolerance (2e-2): staging the factored operands in plain bf16
-# instead of hi/lo already misses it (2.1e-3 on Aqk, test_factored_operands_need_hilo), plain
-# f16 overflows to inf.
+# factored L / Aqk operands are rounded to tf32 (2^-11, like f16; Aqk measured ≤ 3.7e-4 at the
+# tiny shapes). 1e-3 is about three f16 roundings and a twentieth of the bf16 kernels' tolerance
+# (2e-2): staging the factored operands in plain bf16 instead already misses it (2.1e-3 on Aqk,
+# test_factored_operands_need_f32_range), plain f16 overflows to inf.
 TOL = 1e-3
 
 
@@ -106,7 +108,7 @@ def test_interpret_f16_k_ne_v(variant, K, V):
 
 def test_interpret_f16_clamp_decay():
     """Log-decay −10 per token (the op's clamp): factors up to e^{80}, still finite in bf16; the
-    products above the diagonal overflow (inf, or NaN from hi·hi + hi·lo) and are dropped."""
+    products above the diagonal overflow (inf, or NaN from inf − inf) and are dropped."""
     args = _f16_inputs(6, "kda", 1, 64, 1, 1, 64, g_val=-10.0)
     run_interpreted(lambda: check_f16(args))
 
@@ -125,7 +127,7 @@ def test_interpret_f16_without_a():
 
 
 # ------------------------------------------------------------------------------------------------
-# CPU: why hi/lo — the factored operands at −5 per token, emulated in jnp
+# CPU: why f32's range — the factored operands at −5 per token, emulated in jnp
 
 
 def _factored_aqk(q, k, G, stage):
@@ -155,29 +157,39 @@ def _plain(dt):
     return lambda X, Y: [(X.astype(dt).astype(f32), Y.astype(dt).astype(f32))]
 
 
-def _hilo(X, Y):
-    """The kernel's staging: hi·hi + hi·lo + lo·hi of bf16 pairs."""
-
-    def split(x):
-        hi = x.astype(bf16)
-        return hi.astype(f32), (x - hi.astype(f32)).astype(bf16).astype(f32)
-
-    (xh, xl), (yh, yl) = split(X), split(Y)
-    return [(xh, yh), (xh, yl), (xl, yh)]
+def _tf32(X, Y):
+    """The kernel's staging: both operands rounded to tf32, one product."""
+    return [(round_tf32(X), round_tf32(Y))]
 
 
-def test_factored_operands_need_hilo():
+def test_round_tf32_is_round_to_nearest():
+    """round_tf32 keeps 11 significant bits, rounding to nearest (ties away from zero), keeps
+    f32's range, sign and zeros, and is idempotent."""
+    r = np.random.default_rng(0)
+    x = np.concatenate(
+        [r.standard_normal(4096) * np.exp(r.uniform(-80, 80, 4096)), [0.0, -0.0, 1.0, -3.0]]
+    ).astype(np.float32)
+    got = np.asarray(round_tf32(jnp.asarray(x)))
+    m, e = np.frexp(x.astype(np.float64))  # x = m 2^e, 0.5 <= |m| < 1
+    want = np.sign(m) * np.floor(np.abs(m) * 2**11 + 0.5) / 2**11 * 2.0**e
+    assert np.array_equal(got, want.astype(np.float32))
+    assert np.array_equal(np.asarray(round_tf32(jnp.asarray(got))), got)
+    assert np.signbit(got[-3]) and not np.signbit(got[-4])
+    assert float(np.max(np.abs(got - x) / np.maximum(np.abs(x), 1e-30))) <= 2.0**-11
+
+
+def test_factored_operands_need_f32_range():
     """At −5 per token the factored operands reach ~e^{40} (> 65504): plain f16 staging gives
-    inf/NaN, plain bf16 misses the tolerance, the bf16 hi/lo pair meets it."""
+    inf/NaN, plain bf16 misses the tolerance, tf32 meets it."""
     q, k, v, G, b, w = _f16_inputs(3, "gdn2", 1, 128, 1, 1, 64, g_val=-5.0)
     ref = jnp.einsum("mid,mjd,mijd->mij", _chunks(q), _chunks(k), _explicit(G))
-    got_hilo, big = _factored_aqk(q, k, G, _hilo)
+    got_tf32, big = _factored_aqk(q, k, G, _tf32)
     got_f16, _ = _factored_aqk(q, k, G, _plain(f16))
     got_bf16, _ = _factored_aqk(q, k, G, _plain(bf16))
     assert float(big) > 1e4 * F16_MAX, float(big)  # e^{40}·|q| ≈ 1e16
-    e_hilo, e_f16, e_bf16 = (rel_rms(x, ref) for x in (got_hilo, got_f16, got_bf16))
-    print(f"factored Aqk: hi/lo {e_hilo:.1e}, f16 {e_f16:.1e}, bf16 {e_bf16:.1e}", flush=True)
-    assert e_hilo <= TOL / 10, e_hilo
+    e_tf32, e_f16, e_bf16 = (rel_rms(x, ref) for x in (got_tf32, got_f16, got_bf16))
+    print(f"factored Aqk: tf32 {e_tf32:.1e}, f16 {e_f16:.1e}, bf16 {e_bf16:.1e}", flush=True)
+    assert e_tf32 <= TOL / 2, e_tf32
     assert not np.isfinite(np.asarray(got_f16)).all() and e_f16 == float("inf")
     assert e_bf16 > TOL, e_bf16
 

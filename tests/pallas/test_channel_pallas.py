@@ -59,7 +59,8 @@ def test_interpret_forward_and_grads(variant, B, T, H, HV, cu, K, V):
      ("kda", 100, 2, 64, 128, 0.0), ("gdn2", 100, 1, 128, 64, 0.0)],
 )  # fmt: skip
 def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
-    """f16 io: the decay-factored operands as bf16 hi/lo pairs and the state scaled into f16 keep
+    """f16 io: the decay-factored operands with f32's range (tf32 in the intra kernel, bf16 hi/lo
+    pairs in the backward) and the state scaled into f16 keep
     the 2x rule against the recurrence run in f16, also with log-decay -5 per token in every
     channel (factors up to e^{40}, beyond f16) and with no decay. At -5 over two full chunks dg
     is ~100x smaller than dP's diagonal terms, whose row and column halves must cancel exactly
@@ -253,7 +254,7 @@ def _dense(seed, variant):
 )
 @pytest.mark.parametrize("variant", ["gdn2", "kda"])
 def test_gpu_matches_reference(variant, shape, dtype):
-    """Forward and every gradient (2x rule); f16: the hi/lo factored operands and the scaled f16
+    """Forward and every gradient (2x rule); f16: the wide factored operands and the scaled f16
     state in every kernel (f16 with GVA and K = V = 128: the per-kernel f16 tests and the slow
     dense-f16 cases)."""
     B, T, H, HV, cu = DENSE if shape == "dense" else PACKED
