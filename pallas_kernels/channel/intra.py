@@ -142,7 +142,6 @@ class _Factored:
     def __init__(self, dt):
         self.dt = dt
         self.wide = dt == jnp.float16
-        self.op_dt = f32 if self.wide else dt
 
     def tile(self, dtype=None):
         """One [C, 64] scratch tile (16-bit operand by default)."""
@@ -174,8 +173,7 @@ class _Factored:
         one [C, 16] f32 tile per column block J (rows i ≥ 16 J hold the products, rows above
         0; entries with i < j inside block J are garbage, inf or NaN, dropped by the caller
         with ``where``). ``x``: [C, 64] f32 in registers; ``k_f32()`` loads k. ``row_s``,
-        ``col_s``: [C, 64] ``dt`` tiles, or for f16 io (hi, lo) pairs of bf16 tiles
-        (:meth:`stage`).
+        ``col_s``: [C, 64] ``dt`` tiles, for f16 io f32 tiles (:meth:`stage`).
 
         The decay is factored around r_J (G at row 16 J + 8): the column operand is
         k_j e^{r_J − G_j} for j in J, i.e. one [C, 64] tile with every row against its own
