@@ -31,10 +31,10 @@ def ex2_exp(x: jax.Array) -> jax.Array:
 
 
 def round_tf32(x: jax.Array) -> jax.Array:
-    """f32 ``x`` rounded to tf32 (11 significant bits, f32's range), to nearest with ties away
-    from zero, still as f32: the tensor cores read a tf32 operand's f32 bits and drop the low 13
-    (a truncation, twice the rounding error), so operands are rounded here first. |x| must be
-    finite and below 2^128 · (1 − 2^-12) (no carry into the infinity bit pattern)."""
+    """f32 ``x`` rounded to tf32 (11 significant bits, f32's range), to nearest with ties away from
+    zero, still as f32: a tf32 wgmma reads its operands' f32 bits without rounding them (the low
+    13 bits are not used), so operands are rounded here first. |x| must be finite and below
+    2^128 · (1 − 2^-12) (no carry into the infinity bit pattern)."""
     u = lax.bitcast_convert_type(x, jnp.uint32)
     u = (u + jnp.uint32(1 << 12)) & jnp.uint32(0xFFFFE000)
     return lax.bitcast_convert_type(u, jnp.float32)

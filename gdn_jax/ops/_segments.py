@@ -34,7 +34,6 @@ __all__ = [
     "SM_COUNT",
     "MIN_SEGMENT_CHUNKS",
     "MAX_SEGMENTS",
-    "CTAS_PER_SM",
     "segment_count",
     "lane_segment_count",
     "sm_count",
@@ -51,7 +50,6 @@ __all__ = [
 SM_COUNT = 132  # H200 (and H100 SXM)
 MIN_SEGMENT_CHUNKS = 16  # shorter segments do not repay the segment pass and the combine
 MAX_SEGMENTS = 16  # the combine is sequential over segments
-CTAS_PER_SM = 1  # segment-loop CTAs the split aims at per SM (see segment_count)
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -62,10 +60,10 @@ def segment_count(B: int, HV: int, T: int, v_blocks: int, sms: int = SM_COUNT) -
     One CTA per (batch row, value head, value block) runs a lane's chunks in order. Below half a
     wave (``2 · B · HV · v_blocks ≤ sms``) every lane is cut into ``sms // (B · HV · v_blocks)``
     segments (one loop CTA per SM: a loop step is bound by its latency, and a second CTA on the
-    SM slows both more than the longer segments cost; GDN's forward at B1 on the H100,
-    ``bench_gdn.py --segments``, the "Segment counts" table of benchmarks/RESULTS.md: T32768 HV16
-    fastest at S = 4, T8192 HV16 at S = 4, T16384 HV8 at S = 8), at most :data:`MAX_SEGMENTS`
-    and with at least :data:`MIN_SEGMENT_CHUNKS` chunks of 64 each.
+    SM slows both more than the longer segments cost; GDN at B1, ``bench_gdn.py --segments``, the
+    "Segment counts" tables of benchmarks/RESULTS.md: on the H100 T32768 HV16 fastest at S = 4,
+    T8192 HV16 at S = 4, T16384 HV8 at S = 8; on the H200 T32768 HV16 at S = 4 against 8), at
+    most :data:`MAX_SEGMENTS` and with at least :data:`MIN_SEGMENT_CHUNKS` chunks of 64 each.
 
     Args:
       B: lanes (batch rows; 1 for packed sequences on one lane).
@@ -83,7 +81,7 @@ def segment_count(B: int, HV: int, T: int, v_blocks: int, sms: int = SM_COUNT) -
     if 2 * ctas > sms:
         return 1
     nt = -(-T // CHUNK)
-    s = min(CTAS_PER_SM * sms // ctas, nt // MIN_SEGMENT_CHUNKS, MAX_SEGMENTS)
+    s = min(sms // ctas, nt // MIN_SEGMENT_CHUNKS, MAX_SEGMENTS)
     return s if s >= 2 else 1
 
 
