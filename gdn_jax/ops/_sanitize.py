@@ -18,9 +18,7 @@ outputs are exactly those of the same inputs with the bad value replaced by any 
 
 Cost: one elementwise pass over the inputs (``isfinite``, the replacement) and over the output,
 and min-reductions over T of a [B, T, HV] and a [B, T, HV, V] flag (segment-mins with
-``cu_seqlens``); for dense inputs on a Hopper GPU the flags come from the Mosaic GPU kernels of
-:mod:`pallas_kernels.edge_flags` instead, one read of each input with channels. The Pallas
-paths get the raw q, k, v (and KDA/GDN2 the raw gates): their
+``cu_seqlens``). The Pallas paths get the raw q, k, v (and KDA/GDN2 the raw gates): their
 kernels make the same replacement as they load them, so only the flags read those, and their
 chunk loops add the NaN to o as they store it (no pass over the output). The decode steps'
 Pallas kernel does all of it itself (``pallas_kernels.decode.step``): :func:`inputs` serves
