@@ -127,72 +127,8 @@ def _first(idx: jax.Array, T: int) -> jax.Array:
     return jnp.min(jax.lax.optimization_barrier(part), axis=1)
 
 
-def _wide(x: jax.Array) -> bool:
-    """Whether x has channels ([B, T, heads, D > 1]); else it is per token ([B, T, HV] or
-    [B, T, HV, 1])."""
-    return x.ndim == 4 and x.shape[-1] > 1
-
-
-def _kernels_serve(q, v, g, heads, cols, cu_seqlens) -> bool:
-    """Whether the Mosaic GPU flag kernels (:mod:`pallas_kernels.edge_flags`) make the flags:
-    dense inputs (no ``cu_seqlens``) with T a multiple of 64 and head dims of 64 or 128, on a
-    Hopper GPU or under the kernel interpreter."""
-    from pallas_kernels import _compat as pk
-    from pallas_kernels import edge_flags
-
-    if cu_seqlens is not None or (pk.execution_mode() == "auto" and not pk.is_hopper()):
-        return False
-    B, T = q.shape[:2]
-    if T % 64:
-        return False
-    try:
-        for x in (q, v, g, *heads, *cols):
-            if _wide(x):
-                edge_flags.check(x.reshape(B * T, -1), x.shape[-1])
-    except NotImplementedError:
-        return False
-    return True
-
-
-def _kernel_rows(x: jax.Array, *, neg_inf_ok: bool = False) -> jax.Array:
-    """[B, T, heads, D] -> [B, T, heads] bool: a bad value in the token's head
-    (:func:`pallas_kernels.edge_flags.row_flags`)."""
-    from pallas_kernels import edge_flags
-
-    B, T, h, D = x.shape
-    x = jax.lax.stop_gradient(x).reshape(B * T, h * D)  # (flags carry no derivative)
-    flags = edge_flags.row_flags(x, D, neg_inf_ok=neg_inf_ok)
-    return flags.reshape(h, B, T).transpose(1, 2, 0) > 0
-
-
-def _gate_rows(x: jax.Array, *, neg_inf_ok: bool = False) -> jax.Array:
-    """[B, T, HV] bool: a bad value in the token's head of gate x (the kernel's rows for a gate
-    with channels; XLA's elementwise test for a per-token one, which is small)."""
-    if _wide(x):
-        return _kernel_rows(x, neg_inf_ok=neg_inf_ok)
-    x = (x if x.ndim == 3 else x[..., 0]).astype(f32)
-    return ~(x < jnp.inf) if neg_inf_ok else ~jnp.isfinite(x)  # (NaN compares false)
-
-
-def _kernel_first_col(x: jax.Array) -> jax.Array:
-    """[B, T, HV, V] -> [B, HV, V] int32: each column's first bad token, T where none
-    (:func:`pallas_kernels.edge_flags.col_first` per 64-token block, then the blocks' min)."""
-    from pallas_kernels import edge_flags
-
-    B, T, HV, V = x.shape
-    nb = T // 64
-    x = jax.lax.stop_gradient(x).reshape(B * T, HV * V)  # (flags carry no derivative)
-    row = edge_flags.col_first(x, V).reshape(B, nb, HV, V)
-    start = 64 * jnp.arange(nb, dtype=jnp.int32)[None, :, None, None]
-    return jnp.min(jnp.where(row < 64, start + row.astype(jnp.int32), T), axis=1)
-
-
 def inputs(q, k, v, g, heads, cols, cu_seqlens):
     """Sanitised inputs and the :class:`Poison` of the originals.
-
-    Dense inputs on a Hopper GPU (T a multiple of 64, head dims 64 or 128) get their flags from
-    the Mosaic GPU kernels of :mod:`pallas_kernels.edge_flags`, one read of each wide input;
-    elsewhere XLA reduces them (the same flags).
 
     Args:
       q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] or [B, T, HV, K] log-decay.
@@ -205,45 +141,30 @@ def inputs(q, k, v, g, heads, cols, cu_seqlens):
     T, H = q.shape[1], q.shape[2]
     HV = v.shape[2]
     rep = HV // H
+    now = jnp.repeat(_bad(q, 3), rep, axis=2)  # [B, T, HV]
+    head = jnp.repeat(_bad(k, 3), rep, axis=2)
+    g32 = g.astype(f32)
+    bad_g = jnp.isnan(g32) | (g32 == jnp.inf)
+    head = head | _any_after(bad_g, 3)
+    for x in heads:
+        head = head | _bad(x, 3)
+    col = ~jnp.isfinite(v)
+    for x in cols:
+        col = col | ~jnp.isfinite(x)
     t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
-    if _kernels_serve(q, v, g, heads, cols, cu_seqlens):
-        now = jnp.repeat(_kernel_rows(q), rep, axis=2)  # [B, T, HV]
-        head = jnp.repeat(_kernel_rows(k), rep, axis=2)
-        head = head | _gate_rows(g, neg_inf_ok=True)
-        for x in heads:
-            head = head | _gate_rows(x)
-        first_col = _kernel_first_col(v)
-        for x in cols:  # value-column gates (GDN2's w); one without channels flags its heads
-            if _wide(x):
-                first_col = jnp.minimum(first_col, _kernel_first_col(x))
-            else:
-                head = head | _gate_rows(x)
-        first = jnp.minimum(_first(jnp.where(head, t, T), T)[..., None], first_col)
+    # first bad token per head and per value column, reduced apart (head flags are never
+    # broadcast over V), then combined
+    head_idx = jnp.where(head, t, T)  # [B, T, HV]
+    col_idx = jnp.where(col, t[..., None], T)  # [B, T, HV, V]
+    if cu_seqlens is None:
         seq = None
+        first = jnp.minimum(_first(head_idx, T)[..., None], _first(col_idx, T))
     else:
-        now = jnp.repeat(_bad(q, 3), rep, axis=2)  # [B, T, HV]
-        head = jnp.repeat(_bad(k, 3), rep, axis=2)
-        g32 = g.astype(f32)
-        bad_g = jnp.isnan(g32) | (g32 == jnp.inf)
-        head = head | _any_after(bad_g, 3)
-        for x in heads:
-            head = head | _bad(x, 3)
-        col = ~jnp.isfinite(v)
-        for x in cols:
-            col = col | ~jnp.isfinite(x)
-        # first bad token per head and per value column, reduced apart (head flags are never
-        # broadcast over V), then combined
-        head_idx = jnp.where(head, t, T)  # [B, T, HV]
-        col_idx = jnp.where(col, t[..., None], T)  # [B, T, HV, V]
-        if cu_seqlens is None:
-            seq = None
-            first = jnp.minimum(_first(head_idx, T)[..., None], _first(col_idx, T))
-        else:
-            seq = sequence_ids(cu_seqlens, T)
-            n = cu_seqlens.shape[0] - 1
-            first_head = jax.ops.segment_min(head_idx[0], seq, num_segments=n)
-            first_col = jax.ops.segment_min(col_idx[0], seq, num_segments=n)
-            first = jnp.minimum(first_head[..., None], first_col)
+        seq = sequence_ids(cu_seqlens, T)
+        n = cu_seqlens.shape[0] - 1
+        first_head = jax.ops.segment_min(head_idx[0], seq, num_segments=n)
+        first_col = jax.ops.segment_min(col_idx[0], seq, num_segments=n)
+        first = jnp.minimum(first_head[..., None], first_col)
     clean = (
         finite(q),
         finite(k),
