@@ -13,6 +13,10 @@ poisoning) as XLA fused it.
     python benchmarks/profile_ops.py --impl xla gdn:B1_T256_H2_HV2_D128 --iters 1   # CPU check
 
 A case is ``variant:shape`` with a name of ``shapes.SHAPES`` or any ``B<b>_T<t>_H<h>_HV<hv>_D<d>``.
+Each op's row has the bytes it moves (its operands and result once each, from the HLO:
+:func:`profile_step.hlo_ops`) and the bandwidth that gives; the first line is the bandwidth of a
+plain elementwise pass (``2 x`` over 256 MiB of f32) in the same process, the ceiling that a
+memory-bound op's bandwidth is read against.
 Prints only; ``--hlo-dir`` also writes each compiled program's HLO text there.
 """
 
@@ -89,6 +93,14 @@ def profile(f, args, iters: int) -> tuple[dict, dict, str]:
     return {k: (ns / iters, n // iters) for k, (ns, n) in times.items()}, ops, hlo
 
 
+def elementwise_gbps(mib: int, iters: int) -> float:
+    """GB/s (bytes read + written) of ``2 x`` over ``mib`` MiB of f32, device time per call."""
+    x = jnp.ones((mib * 2**18,), jnp.float32)
+    times, _, _ = profile(jax.jit(lambda a: 2 * a), (x,), iters)
+    ns = sum(t for t, _ in times.values())
+    return 2 * x.nbytes / ns
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="+", help="variant:shape")
@@ -97,7 +109,10 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--hlo-dir", default=None)
+    p.add_argument("--ceiling-mib", type=int, default=256, help="the elementwise pass's size")
     a = p.parse_args(argv)
+    gbps = elementwise_gbps(a.ceiling_mib, a.iters)
+    print(f"elementwise 2x of {a.ceiling_mib} MiB f32: {gbps:.0f} GB/s (read + written)")
     for case in a.cases:
         variant, s = parse_case(case)
         progs = programs(variant, s, a.impl)
@@ -109,7 +124,10 @@ def main(argv=None) -> int:
             for name, (ns, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[: a.top]:
                 info = ops.get(name, {})
                 cat, src = info.get("category", ""), info.get("source", "")
-                print(f"  {ns / 1e6:7.3f} ms  x{n:<2d} {name[:36]:36s} {cat[:20]:20s} {src[-70:]}")
+                mb = info.get("bytes", 0) / 1e6
+                bw = f"{mb * 1e6 / ns:6.0f}" if ns else "     -"
+                print(f"  {ns / 1e6:7.3f} ms  x{n:<2d} {mb:8.1f} MB {bw} GB/s  {name[:30]:30s} "
+                      f"{cat[:18]:18s} {src[-60:]}")  # fmt: skip
             if a.hlo_dir:
                 os.makedirs(a.hlo_dir, exist_ok=True)
                 Path(a.hlo_dir, f"{variant}_{s.name}_{mode}.hlo").write_text(hlo)

@@ -83,14 +83,35 @@ def op_times(xspace: str | Path) -> dict[str, tuple[float, int]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8\w*)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16}
+
+
+def type_bytes(text: str) -> int:
+    """Bytes of the arrays an HLO type string names (``f32[4,64]``, a tuple of them, ...)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        bits = _BITS.get(dtype) or (8 if dtype.startswith("f8") else int(dtype[1:]))
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * bits // 8
+    return total
+
+
 def hlo_ops(hlo_text: str) -> dict[str, dict]:
-    """``{instruction name: {"opcode", "category", "source"}}`` of a compiled module's text."""
-    out = {}
+    """``{instruction name: {"opcode", "category", "source", "scope", "bytes"}}`` of a compiled
+    module's text; ``bytes`` counts the instruction's result and its operands' results once each
+    (what a kernel that reads every operand whole and writes its result moves)."""
+    out, result_bytes, operands = {}, {}, {}
     for line in hlo_text.splitlines():
         m = _HLO_LINE.match(line)
         if not m:
             continue
         name, opcode = m.groups()
+        head, _, args = line.partition(f" {opcode}(")
+        result_bytes[name] = type_bytes(head.partition("=")[2])
+        operands[name] = re.findall(r"%([\w.\-]+)", args.split(")", 1)[0])
         meta = re.search(r'op_name="([^"]*)"', line)
         target = re.search(r'custom_call_target="([^"]*)"', line)
         kind = re.search(r"kind=(k\w+)", line)
@@ -100,6 +121,8 @@ def hlo_ops(hlo_text: str) -> dict[str, dict]:
             source=meta.group(1) if meta else "",
             scope=scope(meta.group(1) if meta else ""),
         )
+    for name, info in out.items():
+        info["bytes"] = result_bytes[name] + sum(result_bytes.get(a, 0) for a in operands[name])
     return out
 
 

@@ -172,6 +172,26 @@ def test_profile_ops_cpu(capsys):
     with pytest.raises(ValueError, match="variant"):
         profile_ops.parse_case("gla:B1_T64_H1_HV1_D64")
     assert profile_ops.main(["--impl", "xla", "--modes", "fwd", "--iters", "1", "--top", "2",
-                             "gdn:B1_T64_H1_HV1_D64"]) == 0  # fmt: skip
+                             "--ceiling-mib", "1", "gdn:B1_T64_H1_HV1_D64"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert re.search(r"== gdn B1_T64_H1_HV1_D64 fwd \(xla\): \d+\.\d+ ms", out), out
+    assert re.search(r"elementwise 2x of 1 MiB f32: \d+ GB/s", out), out
+    assert re.search(r"ms  x\d+ +\d+\.\d MB +\d+ GB/s", out), out
+
+
+def test_hlo_ops_bytes():
+    """An instruction's bytes: its result (a tuple's arrays too) and each operand's result once."""
+    from benchmarks.profile_step import hlo_ops, type_bytes
+
+    assert type_bytes("(bf16[4,8]{1,0}, f32[2]{0}, pred[3])") == 4 * 8 * 2 + 2 * 4 + 3
+    assert type_bytes("s32[]") == 4 and type_bytes("f8e4m3fn[16]") == 16
+    hlo = """
+ENTRY %main (a: f32[64,128], b: bf16[64,128]) -> f32[64] {
+  %a = f32[64,128]{1,0} parameter(0), metadata={op_name="a"}
+  %b = bf16[64,128]{1,0} parameter(1)
+  %fusion = (f32[64]{0}, bf16[64,128]{1,0}) fusion(%a, %b), kind=kInput, calls=%f
+  ROOT %gte = f32[64]{0} get-tuple-element(%fusion), index=0
+}"""
+    ops = hlo_ops(hlo)
+    assert ops["fusion"]["bytes"] == (64 * 4 + 64 * 128 * 2) + 64 * 128 * 4 + 64 * 128 * 2
+    assert ops["a"]["bytes"] == 64 * 128 * 4 and ops["gte"]["opcode"] == "get-tuple-element"
