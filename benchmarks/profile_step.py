@@ -111,7 +111,7 @@ def hlo_ops(hlo_text: str) -> dict[str, dict]:
         name, opcode = m.groups()
         head, _, args = line.partition(f" {opcode}(")
         result_bytes[name] = type_bytes(head.partition("=")[2])
-        operands[name] = re.findall(r"%([\w.\-]+)", args.split(")", 1)[0])
+        operands[name] = set(re.findall(r"%([\w.\-]+)", args.split(")", 1)[0]))
         meta = re.search(r'op_name="([^"]*)"', line)
         target = re.search(r'custom_call_target="([^"]*)"', line)
         kind = re.search(r"kind=(k\w+)", line)

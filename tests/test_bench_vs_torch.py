@@ -190,8 +190,10 @@ ENTRY %main (a: f32[64,128], b: bf16[64,128]) -> f32[64] {
   %a = f32[64,128]{1,0} parameter(0), metadata={op_name="a"}
   %b = bf16[64,128]{1,0} parameter(1)
   %fusion = (f32[64]{0}, bf16[64,128]{1,0}) fusion(%a, %b), kind=kInput, calls=%f
+  %sq = f32[64,128]{1,0} multiply(%a, %a)
   ROOT %gte = f32[64]{0} get-tuple-element(%fusion), index=0
 }"""
     ops = hlo_ops(hlo)
     assert ops["fusion"]["bytes"] == (64 * 4 + 64 * 128 * 2) + 64 * 128 * 4 + 64 * 128 * 2
+    assert ops["sq"]["bytes"] == 2 * 64 * 128 * 4  # an operand read twice counts once
     assert ops["a"]["bytes"] == 64 * 128 * 4 and ops["gte"]["opcode"] == "get-tuple-element"
