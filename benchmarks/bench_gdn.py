@@ -304,13 +304,22 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
 
 @jax.jit
 def poison_flags(q, k, v, g, heads, cols):
-    """The public op's edge-value work on the pallas path (:mod:`gdn_jax.ops._sanitize`): the
-    flags of non-finite inputs and the first bad token per head and value column. The kernels
-    read the raw inputs and add the NaN to o themselves, so the sanitised copies (unused, removed
-    by XLA) and the output's poisoning are not part of it."""
+    """GDN's edge-value work on the pallas path (:mod:`gdn_jax.ops._sanitize`): the flags of
+    non-finite inputs and the first bad token per head and value column. The kernels read the
+    raw inputs and add the NaN to o themselves, so the sanitised copies (unused, removed by XLA)
+    and the output's poisoning are not part of it."""
     from gdn_jax.ops import _sanitize
 
     return _sanitize.inputs(q, k, v, g, heads, cols, None)[1]
+
+
+@jax.jit
+def channel_poison_flags(v, heads, cols):
+    """KDA's / GDN2's edge-value work in XLA on the pallas path: the flags of the gates (and
+    GDN2's v, which XLA gates); the kernels find q's, k's, g's and KDA's v's as they read them."""
+    from gdn_jax.ops import _sanitize
+
+    return _sanitize.poison(v.shape, None, heads=heads, cols=cols)
 
 
 def bench_stages(s, x) -> dict:
@@ -468,7 +477,7 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     plan = channel_plan(bf, K, s.V, scalar_beta=scalar, store_a=True)
     icfg = dataclasses.replace(plan.intra_config(), store_a=False)
     intra = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, icfg))
-    qg, kg, wk, u, aqk = intra(q, k, v, G, *gates)
+    qg, kg, wk, u, aqk = intra(q, k, v, G, *gates)[0]
     dl = decay_last(G)
     h0 = jnp.zeros((B, HV, K, s.V), jnp.float32)
     fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, plan.fwd_config(scale)))
@@ -479,7 +488,7 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     # differentiated forward (stores A), then the backward kernels' inputs as the driver makes them
     acfg = plan.intra_config()
     intra_a = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, acfg))
-    A = intra_a(q, k, v, G, *gates)[-1]
+    A = intra_a(q, k, v, G, *gates)[0][-1]
     hcfg = plan.fwd_config(scale, store_h=True)
     hrec = jax.jit(lambda kg, wk, u, dl, h0: channel_chunk_fwd(None, kg, wk, u, None, dl, h0, hcfg))
     h, vn = hrec(kg, wk, u, dl, h0)
@@ -499,13 +508,13 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     # (gdn_jax/ops/_sanitize.py, gdn_jax/ops/_channel_pallas.py) around the kernels
     g_raw = jnp.asarray(x["g"])
     heads = (jnp.asarray(x["beta"]),) if scalar else (jnp.asarray(x["b"]),)
-    cols = () if scalar else (jnp.asarray(x["w"]),)
+    cols = () if scalar else (v, jnp.asarray(x["w"]))
     cumsum = jax.jit(lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY))
-    clamped = functools.partial(lane_gate_cumsum, floor=MIN_LOG_DECAY)
+    clamped = lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY)[0]  # noqa: E731
     cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(clamped, g)[1](dG)[0])
     wy_form = "k_split" if wcfg.k_split else "one_cta"
     times.update({
-        "poison_flags": time_jax(poison_flags, (q, k, v, g_raw, heads, cols)),
+        "poison_flags": time_jax(channel_poison_flags, (v, heads, cols)),
         "gate_clamp_cumsum": time_jax(cumsum, (g_raw,)),
         "gate_cumsum_bwd": time_jax(cumsum_bwd, (g_raw, g_raw)),
         "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),

@@ -282,35 +282,45 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
         return _empty(v, initial_state, N, HV, K, V, output_final_state)
     kda_gates = b is w
     raw = (q, k, v, g, b, w)
-    cols = () if kda_gates else (w,)
-    (q, k, v, g, (b,), cols), scale, cu_seqlens, poison = _prepare(
-        q, k, v, g, (b,), cols, scale=scale, cu_seqlens=cu_seqlens
-    )
-    w = b if kda_gates else cols[0]
+    scale = val.check_scale(scale, K)
+    val.check_log_decay("g", g)
+    cu_seqlens = val.sanitize_cu_seqlens(cu_seqlens, T)
 
     def run_xla():
+        cols = () if kda_gates else (w,)
+        (qc, kc, vc, gc, (bc,), cols), poison = _sanitize.inputs(q, k, v, g, (b,), cols, cu_seqlens)
         o, final = _xla.chunked(
-            q, k, v, g, b, w, scale=scale, initial_state=initial_state,
-            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
+            qc, kc, vc, gc, bc, bc if kda_gates else cols[0], scale=scale,
+            initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
-        return poison.output(o), final
+        return poison.output(o), _final(poison, final)
 
     def run_pallas(fn):
         _pallas_sees_layout(q, k, v, g, b, w, initial_state)
         # The channel kernels read non-finite q, k, v, b, w values as 0 and the glue clamps the
         # raw g (the sanitation's replacements, :func:`gdn_jax.ops._channel_pallas.
-        # channel_pallas`): given the raw inputs, XLA writes no sanitised copies and keeps only
-        # the reductions of the Poison, which the chunk loop puts into o as it stores it.
-        return fn(
+        # channel_pallas`), and the kernels that read q, k, g (and KDA's v) find their bad values
+        # as they load them: XLA writes no sanitised copies and reduces only the flags of what
+        # it reads itself (the gates, GDN2's v, q and k for the L2 norm), and the chunk loop puts
+        # the NaN into o as it stores it.
+        found = dict(heads=(b,)) if kda_gates else dict(heads=(b,), cols=(v, w))
+        if use_qk_l2norm:  # the glue's L2 norm reads (and sanitises) q and k in XLA
+            found.update(rows=(q,), heads=(k, b))
+        poison = _sanitize.poison(v.shape, cu_seqlens, **found)
+        o, final = fn(
             *raw, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat, poison=poison,
         )  # fmt: skip
+        return o, _final(poison, final)
 
-    o, final = _run(
+    def _final(poison, final):
+        return poison.state(final, T) if output_final_state else None
+
+    return _run(
         variant, implementation, run_xla, lambda: run_pallas(_pallas(variant)), default=variant
     )
-    return o, (poison.state(final, T) if output_final_state else None)
 
 
 def kda(

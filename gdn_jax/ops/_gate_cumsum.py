@@ -24,7 +24,7 @@ from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
 from pallas_kernels.channel import gate_cumsum as kernel
 
-__all__ = ["clamped_log_decay", "lane_gate_cumsum", "kernel_serves"]
+__all__ = ["clamped_log_decay", "first_bad_rows", "lane_gate_cumsum", "kernel_serves"]
 
 
 def kernel_serves(g: jax.Array) -> bool:
@@ -48,7 +48,7 @@ def clamped_log_decay(g: jax.Array, floor: float) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _kernel_cumsum(g: jax.Array, floor: float | None) -> jax.Array:
+def _kernel_cumsum(g: jax.Array, floor: float | None):
     return kernel.chunk_cumsum(g, floor=floor)
 
 
@@ -56,7 +56,8 @@ def _kernel_cumsum_fwd(g, floor):
     return kernel.chunk_cumsum(g, floor=floor), (None if floor is None else g)
 
 
-def _kernel_cumsum_bwd(floor, g, dG):
+def _kernel_cumsum_bwd(floor, g, cts):
+    dG = cts if floor is None else cts[0]  # (the bad-value rows are not differentiated)
     dg = kernel.chunk_cumsum(dG.astype(jnp.float32), reverse=True)
     if floor is not None:  # the clamp's VJP, one elementwise XLA pass
         dg = jax.vjp(lambda x: clamped_log_decay(x, floor), g)[1](dg)[0]
@@ -66,20 +67,41 @@ def _kernel_cumsum_bwd(floor, g, dG):
 _kernel_cumsum.defvjp(_kernel_cumsum_fwd, _kernel_cumsum_bwd)
 
 
-def lane_gate_cumsum(g: jax.Array, floor: float | None = None) -> jax.Array:
+def first_bad_rows(bad: jax.Array) -> jax.Array:
+    """Per 64-row chunk, the first row where ``bad`` [N, Tp, ...] (bool) holds: [N, Tp/64, ...]
+    f32 in [0, 64], 64 where no row of the chunk does."""
+    N, Tp = bad.shape[:2]
+    r = jnp.arange(CHUNK, dtype=jnp.float32).reshape((1, 1, CHUNK) + (1,) * (bad.ndim - 2))
+    at = jnp.where(bad.reshape((N, Tp // CHUNK, CHUNK) + bad.shape[2:]), r, float(CHUNK))
+    return jnp.min(at, axis=2)
+
+
+def lane_gate_cumsum(g: jax.Array, floor: float | None = None):
     """Chunk-local inclusive cumsum over the row axis of padded lanes, differentiable.
 
     Args:
       g: [N, Tp, HV, K] f32 per-token log-decay, Tp % 64 == 0 (other [N, Tp, ...] f32 shapes
         take XLA's form).
-      floor: if given, the cumsum of :func:`clamped_log_decay` (g, floor), the kernel clamping
-        each value as it reads it (so the raw g needs no clamped copy).
+      floor: if given, g is the op's raw log-decay: the cumsum is that of
+        :func:`clamped_log_decay` (g, floor), the kernel clamping each value as it reads it (so
+        the raw g needs no clamped copy), and the rows holding NaN or +inf come with it.
     Returns:
-      G: g's shape, f32; ``G[:, 64 c + i] = Σ_{j ≤ i} g[:, 64 c + j]`` for each chunk c.
+      G: g's shape, f32; ``G[:, 64 c + i] = Σ_{j ≤ i} g[:, 64 c + j]`` for each chunk c. With
+      ``floor`` the pair (G, first_bad): first_bad [N, HV, Tp/64] f32, per chunk the first row
+      (0 … 63) where some channel of the head's raw g is NaN or +inf, 64 where none is (the
+      op's poison, :mod:`gdn_jax.ops._sanitize`).
     """
     if kernel_serves(g):
-        return _kernel_cumsum(g, floor)
-    if floor is not None:
+        out = _kernel_cumsum(g, floor)
+        if floor is None:
+            return out
+        G, first = out
+        return G, jnp.min(first, axis=-1).transpose(0, 2, 1)
+    if floor is None:
+        bad = None
+    else:
+        bad = jnp.any(~(g < jnp.inf), axis=tuple(range(3, g.ndim)))  # NaN, +inf: [N, Tp, HV]
         g = clamped_log_decay(g, floor)
     N, Tp = g.shape[:2]
-    return gate_cumsum(g.reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:])).reshape(g.shape)
+    G = gate_cumsum(g.reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:])).reshape(g.shape)
+    return G if bad is None else (G, first_bad_rows(bad).transpose(0, 2, 1))

@@ -184,7 +184,8 @@ def lane_poison(
       cu_seqlens: [N + 1] int32 or None (dense).
       T: tokens; Tp: the lane length of :func:`padded_lanes` (dense, or a lane per sequence).
       layout: :func:`one_lane`'s layout when the sequences share one lane (then Tp is unused).
-      q_rows: lay out the rows of a bad q too (the channel loop's input; GDN's loop finds them).
+      q_rows: lay out the rows of a bad q too (the channel glue's, where the L2 norm reads q in
+        XLA; else GDN's loop and the channel intra kernel find them).
     Returns:
       (nan_rows [L, HV, rows] f32 (None unless ``q_rows``): NaN on the rows whose whole output
       is NaN (a bad q), else 0;

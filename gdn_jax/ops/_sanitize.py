@@ -20,7 +20,9 @@ Cost: one elementwise pass over the inputs (``isfinite``, the replacement) and o
 and min-reductions over T of a [B, T, HV] and a [B, T, HV, V] flag (segment-mins with
 ``cu_seqlens``). The Pallas paths get the raw q, k, v (and KDA/GDN2 the raw gates): their
 kernels make the same replacement as they load them, so only the flags read those, and their
-chunk loops add the NaN to o as they store it (no pass over the output). The decode steps'
+chunk loops add the NaN to o as they store it (no pass over the output). GDN's flags are
+:func:`inputs`'; KDA's and GDN2's kernels find those of q, k, g (and KDA's v) as they load them
+(:mod:`gdn_jax.ops._channel_pallas`), and :func:`poison` gives the rest. The decode steps'
 Pallas kernel does all of it itself (``pallas_kernels.decode.step``): :func:`inputs` serves
 their xla path only.
 """
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 
 from gdn_jax.reference._common import sequence_ids
 
-__all__ = ["LOG_DECAY_FLOOR", "log_decay", "finite", "Poison", "inputs"]
+__all__ = ["LOG_DECAY_FLOOR", "log_decay", "finite", "Poison", "inputs", "poison"]
 
 f32 = jnp.float32
 
@@ -127,6 +129,64 @@ def _first(idx: jax.Array, T: int) -> jax.Array:
     return jnp.min(jax.lax.optimization_barrier(part), axis=1)
 
 
+def poison(
+    shape: tuple[int, int, int, int],
+    cu_seqlens: jax.Array | None,
+    *,
+    rows: tuple = (),
+    heads: tuple = (),
+    log_decays: tuple = (),
+    cols: tuple = (),
+) -> Poison:
+    """The :class:`Poison` of the original inputs given (the others taken as finite).
+
+    Args:
+      shape: (B, T, HV, V) of the op's v.
+      cu_seqlens: sanitised [N + 1] int32 offsets or None.
+      rows: arrays [B, T, H, ...] whose bad values poison their own token's outputs (q).
+      heads: arrays [B, T, H, ...] whose bad values poison the head from their token on (k,
+        β, b); H divides HV (value head i reads head i // (HV // H)).
+      log_decays: log-decays [B, T, HV] or [B, T, HV, K], bad where NaN or +inf (−inf is a full
+        reset), poisoning the head from their token on (g).
+      cols: arrays [B, T, HV, V] whose bad values poison the value column from their token on
+        (v, w).
+    """
+    B, T, HV, V = shape
+
+    def per_value_head(flags):  # [B, T, H] -> [B, T, HV]
+        return jnp.repeat(flags, HV // flags.shape[2], axis=2)
+
+    now = jnp.zeros((B, T, HV), bool)
+    for x in rows:
+        now = now | per_value_head(_bad(x, 3))
+    head = jnp.zeros((B, T, HV), bool)
+    for x in heads:
+        head = head | per_value_head(_bad(x, 3))
+    for x in log_decays:
+        x = x.astype(f32)
+        head = head | _any_after(jnp.isnan(x) | (x == jnp.inf), 3)
+    col = None
+    for x in cols:
+        col = ~jnp.isfinite(x) if col is None else col | ~jnp.isfinite(x)
+    t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+    # first bad token per head and per value column, reduced apart (head flags are never
+    # broadcast over V), then combined
+    head_idx = jnp.where(head, t, T)  # [B, T, HV]
+    col_idx = None if col is None else jnp.where(col, t[..., None], T)  # [B, T, HV, V]
+    if cu_seqlens is None:
+        seq = None
+        first = _first(head_idx, T)[..., None]
+        if col_idx is not None:
+            first = jnp.minimum(first, _first(col_idx, T))
+    else:
+        seq = sequence_ids(cu_seqlens, T)
+        n = cu_seqlens.shape[0] - 1
+        first = jax.ops.segment_min(head_idx[0], seq, num_segments=n)[..., None]
+        if col_idx is not None:
+            first = jnp.minimum(first, jax.ops.segment_min(col_idx[0], seq, num_segments=n))
+    return Poison(jnp.broadcast_to(first, first.shape[:-1] + (V,)), now, seq)
+
+
 def inputs(q, k, v, g, heads, cols, cu_seqlens):
     """Sanitised inputs and the :class:`Poison` of the originals.
 
@@ -138,33 +198,6 @@ def inputs(q, k, v, g, heads, cols, cu_seqlens):
     Returns:
       (q, k, v, g, heads, cols) with finite values and g in [LOG_DECAY_FLOOR, 0], and the Poison.
     """
-    T, H = q.shape[1], q.shape[2]
-    HV = v.shape[2]
-    rep = HV // H
-    now = jnp.repeat(_bad(q, 3), rep, axis=2)  # [B, T, HV]
-    head = jnp.repeat(_bad(k, 3), rep, axis=2)
-    g32 = g.astype(f32)
-    bad_g = jnp.isnan(g32) | (g32 == jnp.inf)
-    head = head | _any_after(bad_g, 3)
-    for x in heads:
-        head = head | _bad(x, 3)
-    col = ~jnp.isfinite(v)
-    for x in cols:
-        col = col | ~jnp.isfinite(x)
-    t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
-    # first bad token per head and per value column, reduced apart (head flags are never
-    # broadcast over V), then combined
-    head_idx = jnp.where(head, t, T)  # [B, T, HV]
-    col_idx = jnp.where(col, t[..., None], T)  # [B, T, HV, V]
-    if cu_seqlens is None:
-        seq = None
-        first = jnp.minimum(_first(head_idx, T)[..., None], _first(col_idx, T))
-    else:
-        seq = sequence_ids(cu_seqlens, T)
-        n = cu_seqlens.shape[0] - 1
-        first_head = jax.ops.segment_min(head_idx[0], seq, num_segments=n)
-        first_col = jax.ops.segment_min(col_idx[0], seq, num_segments=n)
-        first = jnp.minimum(first_head[..., None], first_col)
     clean = (
         finite(q),
         finite(k),
@@ -173,4 +206,7 @@ def inputs(q, k, v, g, heads, cols, cu_seqlens):
         tuple(finite(x) for x in heads),
         tuple(finite(x) for x in cols),
     )
-    return clean, Poison(first, now, seq)
+    found = poison(
+        v.shape, cu_seqlens, rows=(q,), heads=(k, *heads), log_decays=(g,), cols=(v, *cols)
+    )
+    return clean, found

@@ -17,6 +17,10 @@ engines busy:
   running sum, and a TMA store sends the tile back from the same slot while the next tile loads
   (the pipeline refills a slot one step later, ``delay_release=1``, once its store has read it).
   96 KiB of shared memory per CTA: two CTAs per SM.
+- with ``floor`` (the raw log-decay, clamped as it is read), each thread also keeps the first row
+  of the tile where its column holds NaN or +inf (the op's bad gate values, which the clamp
+  hides), and the tile's 128 of them go out through a double-buffered SMEM row: the flags of
+  :mod:`gdn_jax.ops._sanitize` without a read of their own.
 
 128-column tiles mean ``HV·K % 128 == 0`` (every K = 128, K = 64 with an even HV);
 :func:`chunk_cumsum` refuses other shapes with NotImplementedError.
@@ -72,7 +76,7 @@ def chunk_cumsum(
     reverse: bool = False,
     floor: float | None = None,
     per_cta: int | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Inclusive cumulative sum of g over the rows of each 64-row chunk, per column.
 
     Args:
@@ -83,7 +87,9 @@ def chunk_cumsum(
       per_cta: tiles (64 × 128) per CTA; None: :func:`tiles_per_cta`. Must divide the number of
         tiles, N · Tp / 64 · HV · K / 128.
     Returns:
-      [N, Tp, HV, K] f32.
+      [N, Tp, HV, K] f32; with ``floor`` the pair (that, first_bad): first_bad [N, Tp/64, HV, K]
+      f32, per chunk and column the first row (0 … 63) whose raw value is NaN or +inf, 64 where
+      none is (−inf is a valid log-decay: a full reset).
     Raises:
       ValueError: g is not a 4-D f32 tensor with Tp % 64 == 0, or per_cta does not divide the
         tiles.
@@ -96,6 +102,8 @@ def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
     check(g)
     if floor is not None and not floor < 0:
         raise ValueError(f"{floor=} must be negative (or None)")
+    if floor is not None and reverse:
+        raise ValueError("floor (a raw log-decay) goes with the forward sum only")
     N, Tp, HV, K = g.shape
     R, M = N * Tp, HV * K
     col_blocks = M // COLS
@@ -109,30 +117,52 @@ def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
         """(row block, column block) of tile ``tile``: consecutive tiles run along a chunk row."""
         return tile // col_blocks, lax.rem(tile, col_blocks)
 
-    def body(x_g, y_g):
+    def body(x_g, y_g, *first_g):
         first = lax.axis_index("i") * per
 
-        def step(idx, x_s):
-            # each thread reads and overwrites its own column: the sums replace the tile in place
-            acc = None
-            for r in rows:
-                v = x_s[r]
-                if floor is not None:  # NaN > floor is false: NaN and −inf give the floor
-                    v = jnp.where(v > floor, jnp.minimum(v, 0.0), floor)
-                acc = v if acc is None else acc + v
-                x_s[r] = acc
-            plgpu.commit_smem()
-            rb, cb = at(first + idx[0])
-            plgpu.copy_smem_to_gmem(x_s, y_g.at[pl.ds(rb * CHUNK, CHUNK), pl.ds(cb * COLS, COLS)])
-            # the pipeline refills the previous step's slot (delay_release=1) once this step
-            # returns: that slot's store must have read it
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        def walk(*vec_s):
+            def step(idx, x_s):
+                # each thread reads and overwrites its own column: the sums replace the tile
+                acc = bad = None
+                for r in rows:
+                    v = x_s[r]
+                    if floor is not None:
+                        # NaN and +inf fail the comparison: the column's first such row
+                        at_r = jnp.where(v < jnp.inf, float(CHUNK), float(r))
+                        bad = at_r if bad is None else jnp.minimum(bad, at_r)
+                        # NaN > floor is false: NaN and −inf give the floor
+                        v = jnp.where(v > floor, jnp.minimum(v, 0.0), floor)
+                    acc = v if acc is None else acc + v
+                    x_s[r] = acc
+                plgpu.commit_smem()
+                rb, cb = at(first + idx[0])
+                cols = pl.ds(cb * COLS, COLS)
+                plgpu.copy_smem_to_gmem(x_s, y_g.at[pl.ds(rb * CHUNK, CHUNK), cols])
+                if floor is not None:
+                    row = vec_s[0].at[lax.rem(idx[0], 2)]
+                    row[...] = bad
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(row, first_g[0].at[rb, cols])
+                # the pipeline refills the previous step's slot (delay_release=1) once this step
+                # returns: that slot's store (and the flag row's of two steps back) must have
+                # read it
+                plgpu.wait_smem_to_gmem(2 if floor is not None else 1, wait_read_only=True)
 
-        spec = plgpu.BlockSpec((CHUNK, COLS), lambda t: at(first + t), delay_release=1)
-        plgpu.emit_pipeline(step, grid=(per,), in_specs=[spec], max_concurrent_steps=slots)(x_g)
-        plgpu.wait_smem_to_gmem(0)
+            spec = plgpu.BlockSpec((CHUNK, COLS), lambda t: at(first + t), delay_release=1)
+            plgpu.emit_pipeline(step, grid=(per,), in_specs=[spec], max_concurrent_steps=slots)(x_g)
+            plgpu.wait_smem_to_gmem(0)
+
+        if floor is None:
+            walk()
+        else:
+            pl.run_scoped(walk, cp.smem((2, COLS), f32, swizzled=False))
 
     name = "gate_cumsum_rev" if reverse else "gate_cumsum"
     out = jax.ShapeDtypeStruct((R, M), f32)
-    kernel = cp.kernel(body, out_type=out, grid=(tiles // per,), grid_names=("i",), name=name)
-    return kernel(g.reshape(R, M)).reshape(g.shape)
+    if floor is None:
+        kernel = cp.kernel(body, out_type=out, grid=(tiles // per,), grid_names=("i",), name=name)
+        return kernel(g.reshape(R, M)).reshape(g.shape)
+    outs = (out, jax.ShapeDtypeStruct((R // CHUNK, M), f32))
+    kernel = cp.kernel(body, out_type=outs, grid=(tiles // per,), grid_names=("i",), name=name)
+    G, first_bad = kernel(g.reshape(R, M))
+    return G.reshape(g.shape), first_bad.reshape((N, Tp // CHUNK, HV, K))

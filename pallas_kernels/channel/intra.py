@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,7 @@ from pallas_kernels._tiles import (
     chunk_coords,
     ex2_exp,
     finite,
+    nonfinite,
     per_chunk_kernel,
 )
 from pallas_kernels.channel.bwd_decay import (
@@ -129,6 +131,15 @@ def _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt) -> jax.Array:
         C = X.shape[0]
         X = X * cp.bcast_cols(cp.col_vec(be_s, C), (C, C))
     return X
+
+
+def _first_bad_rows(bad_s, upper_s) -> jax.Array:
+    """Per column of the [C, 64] 0/1 tile ``bad_s`` (bf16), the first row holding a 1: [64] f32
+    in [0, C], C where none does. With ``upper_s`` U[r, s] = (r ≤ s), ``E = badᵀ U`` [64, C]
+    counts each column's bad rows up to row s (exact: 0/1 operands, f32 counts ≤ 64), and the
+    first bad row is the number of s where that count is 0: a row reduction of E."""
+    counts = cp.matmul(bad_s.T, upper_s, (bad_s.shape[1], bad_s.shape[0]))
+    return jnp.sum(jnp.where(counts == 0.0, 1.0, 0.0), axis=1)
 
 
 class _Factored:
@@ -213,10 +224,10 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     """One CTA per (chunk, value head, batch row): L → A = (I + L)⁻¹ → w, u (and A when
     ``store_a``).
 
-    Refs: KDA (k, v, G, gr, β | w, u[, A]); GDN2 (k, bk, vw, G, gr | w, u[, A]) with the gated
-    operands bk = b ⊙ k and vw = w_gate ⊙ v formed by :func:`channel_intra` (io dtype, per value
-    head), so GDN2's CTA loads 16-bit tiles where it would load the f32 gates, and its u is a
-    plain product.
+    Refs: KDA (k, v, G, gr, β | w, u[, A], v_first); GDN2 (k, bk, vw, G, gr | w, u[, A]) with
+    the gated operands bk = b ⊙ k and vw = w_gate ⊙ v formed by :func:`channel_intra` (io dtype,
+    per value head), so GDN2's CTA loads 16-bit tiles where it would load the f32 gates, and its u
+    is a plain product.
 
     L is contracted over K in K/64 passes of 64 columns (each pass adds its partial products to
     four [C, 16] f32 register tiles, one per column block, :meth:`_Factored.pass_products`); w
@@ -253,6 +264,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         be_g = None
     w_g, u_g = outs[:2]
     a_g = outs[2] if cfg.store_a else None
+    vfirst_g = outs[-1] if scalar else None
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
     kpass, vpass = k_g.shape[-1] // HALF, v_g.shape[-1] // HALF  # 64-column passes over K and V
@@ -312,6 +324,26 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         if scalar:
             L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
 
+        def u_tiles(put, oy_s, flag_tiles):
+            """u = A (w_gate ⊙ v), one V-half at a time. KDA (``flag_tiles``) reads the op's raw v:
+            non-finite values as 0, and per column the first row holding one goes to ``vfirst``
+            (:func:`_first_bad_rows`)."""
+            for p in range(vpass):
+                if flag_tiles is not None:
+                    bad_s, upper_s, first_s = flag_tiles
+                    if p == 0:
+                        upper = cp.iota((C, C), 0) <= cp.iota((C, C), 1)
+                        upper_s[...] = jnp.where(upper, 1.0, 0.0).astype(jnp.bfloat16)
+                    raw = cp.load_tile(v_s[p]).astype(f32)
+                    bad_s[...] = nonfinite(raw).astype(jnp.bfloat16)
+                    # in place (each thread rewrites the elements it read)
+                    v_s[p][...] = finite(raw).astype(dt)
+                    plgpu.commit_smem()
+                    first_s.at[p][...] = _first_bad_rows(bad_s, upper_s)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(first_s.at[p], vfirst_g.at[b, hv, c, _cols(p)])
+                put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
+
         def tail(*own):
             x_s, oy_s, st_s = own if wide else (x_o, oy_o, st_o)
             a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
@@ -342,13 +374,15 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                 for p in range(kpass):
                     put(ws[p], w_g.at[b, rows, hv, _cols(p)])
             bars.wait(v_ids)
-            for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
-                if scalar:
-                    # in place (each thread rewrites the elements it read): v as read from the
-                    # op's raw inputs, non-finite values as 0 (GDN2's vw is finite already)
-                    v_s[p][...] = finite(cp.load_tile(v_s[p]).astype(f32)).astype(dt)
-                    plgpu.commit_smem()
-                put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
+            if scalar:
+                pl.run_scoped(
+                    lambda *flag_tiles: u_tiles(put, oy_s, flag_tiles),
+                    cp.smem((C, HALF), jnp.bfloat16),  # v's bad values (0 / 1)
+                    cp.smem((C, C), jnp.bfloat16),  # U[r, s] = (r <= s)
+                    cp.smem((vpass, HALF), f32, swizzled=False),  # first bad rows
+                )
+            else:
+                u_tiles(put, oy_s, None)
             plgpu.wait_smem_to_gmem(0)
 
         if wide:
@@ -386,8 +420,11 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         pl.run_scoped(outer, x_spec, oy_spec, wop_spec, v_spec, st_spec, be_spec, bar_spec)
 
 
-def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
-    """One CTA per (chunk, value head, batch row): Aqk, qg, kg.
+def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, group: int):
+    """One CTA per (chunk, value head, batch row): Aqk, qg, kg, and the rows of the raw q and k
+    holding NaN or ±inf (the op's poison, :mod:`gdn_jax.ops._sanitize`, from the loads the
+    products make anyway: a row reduction of each tile in registers): ``qnan`` NaN on q's, else 0
+    (as the chunk loop adds it to o), ``kbad`` 1.0 on k's, else 0.
 
     Aqk is contracted over K in K/64 passes of 64 columns, as L in :func:`_wy_body`; qg and kg
     leave per pass.
@@ -395,12 +432,13 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
     SMEM bytes at K = 128, 16-bit io (barriers 8 B each):
 
       always:    operand / Aqk staging 2 × [C, 64] 16384; qg/kg staging 2 × [C, 64]
-                 16384; 10 barriers                   32 848
+                 16384; flag rows 2 × [C] f32 512; 10 barriers
+                                                      33 360
       pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 256
                                                       34 048
 
-    Peak 66 896 B (bf16), so three CTAs share an SM; f16 io adds the pass's two f32 (tf32)
-    operand tiles (32 768 B): 99 664 B, two CTAs per SM.
+    Peak 67 408 B (bf16), so three CTAs share an SM; f16 io adds the pass's two f32 (tf32)
+    operand tiles (32 768 B): 100 176 B, two CTAs per SM.
     """
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
@@ -408,10 +446,11 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
     dt = k_g.dtype
     fp = _Factored(dt)
 
-    def outer(st_s, out_s, bar):
+    def outer(st_s, out_s, flag_s, bar):
         bars = Bars(bar)
 
-        def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s, *ops):
+        def p_pass(p, acc, q_s, k_s, g_s, gr_s, gl_s, *ops):
+            P, flags = (None, None) if acc is None else acc
             bars.load(
                 [
                     *decay_copies(
@@ -437,6 +476,10 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
             def k_f32():
                 return finite(cp.load_tile(k_s).astype(f32))
 
+            # the rows of these columns holding a bad value, [C] each, combined over the passes
+            bad = [jnp.max(nonfinite(cp.load_tile(x).astype(f32)), axis=1) for x in (q_s, k_s)]
+            if flags is not None:
+                bad = [jnp.maximum(a, f) for a, f in zip(bad, flags, strict=True)]
             # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1) first: their stores overlap
             # the products
             if p:  # the previous pass's stores must have read the staging tiles
@@ -450,9 +493,9 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
             row_s, col_s = ops if fp.wide else st_s
             P = fp.pass_products(dec, q_f32(), row_s, col_s, k_f32, P)
             plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
-            return P
+            return P, bad
 
-        P = accumulate_passes(
+        P, (q_bad, k_bad) = accumulate_passes(
             p_pass,
             kpass,
             fp.tile(),  # q
@@ -460,11 +503,15 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
             *decay_smem(C, HALF),  # G, reference rows, G_last
             *fp.wide_tiles(),
         )
+        flag_s[0][...] = jnp.where(q_bad > 0.0, jnp.nan, 0.0)
+        flag_s[1][...] = k_bad
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
         P = jnp.concatenate(P, axis=1)
         st_s[0][...] = jnp.where(row >= col, P, 0.0).astype(dt)
         plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(flag_s[0], qnan_g.at[b, hv, rows])
+        plgpu.copy_smem_to_gmem(flag_s[1], kbad_g.at[b, hv, rows])
         plgpu.copy_smem_to_gmem(st_s[0], aqk_g.at[b, rows, hv, :])
         plgpu.wait_smem_to_gmem(0)
 
@@ -472,6 +519,7 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
         outer,
         (fp.tile(), fp.tile()),  # row / column operands, then the Aqk staging
         (fp.tile(), fp.tile()),  # qg, kg staging
+        (cp.smem((C,), f32, swizzled=False), cp.smem((C,), f32, swizzled=False)),  # flag rows
         plgpu.Barrier(num_barriers=5 * kpass),
     )
 
@@ -510,6 +558,23 @@ def gated_operands(k, v, b, w_gate) -> tuple[jax.Array, jax.Array]:
     return bk, vw
 
 
+class IntraFlags(NamedTuple):
+    """The raw inputs' bad values (NaN, ±inf) the intra kernels find as they load them (the
+    op's poison, :mod:`gdn_jax.ops._sanitize`).
+
+    Attributes:
+      q_nan: [B, HV, T] f32, NaN on the rows of q (of each value head's q head) holding one,
+        else 0: the chunk loop's per-row poison as is.
+      k_bad: [B, HV, T] f32, 1.0 on the rows of k holding one, else 0.
+      v_first: KDA: [B, HV, T/64, V] f32, per chunk and value column the first row (0 … 63)
+        of v holding one, 64 where none does; GDN2 (whose v the XLA glue gates): None.
+    """
+
+    q_nan: jax.Array
+    k_bad: jax.Array
+    v_first: jax.Array | None
+
+
 def channel_intra(
     q: jax.Array,
     k: jax.Array,
@@ -518,21 +583,24 @@ def channel_intra(
     b: jax.Array,
     w_gate: jax.Array | None,
     config: ChannelIntraConfig = ChannelIntraConfig(),
-) -> tuple[jax.Array, ...]:
+) -> tuple[tuple[jax.Array, ...], IntraFlags]:
     """Computes qg, kg, w, u, Aqk (and optionally A) for every chunk.
 
     Args:
-      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
+      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero. Non-finite
+        values read as 0 (and are flagged).
       v: [B, T, HV, V], same dtype; HV % H == 0; K, V ∈ {64, 128} (else NotImplementedError).
+        KDA: non-finite values read as 0 (and are flagged).
       G: [B, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
         Padded rows zero.
       w_gate: GDN2: [B, T, HV, V] f32 write gate (padded rows zero); KDA: None.
       config: :class:`ChannelIntraConfig`.
     Returns:
-      qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] = k e^{G_last − G}; w [B, T, HV, K];
-      u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c holds Aqk[t − 64c, :]); all in
-      k.dtype; if ``config.store_a`` also A [B, T, HV, 64] (same row layout).
+      (products, flags). products: qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] =
+      k e^{G_last − G}; w [B, T, HV, K]; u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c
+      holds Aqk[t − 64c, :]); all in k.dtype; if ``config.store_a`` also A [B, T, HV, 64] (same
+      row layout). flags: :class:`IntraFlags`.
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -557,9 +625,13 @@ def channel_intra(
 
     chunks = T // CHUNK
     group = HV // H
+    rows_flag = jax.ShapeDtypeStruct((B, HV, T), f32)
+    wy_out = tuple(out_type[2:4]) + tuple(out_type[5:])
+    if config.scalar_beta:  # v's first bad row per chunk and column
+        wy_out += (jax.ShapeDtypeStruct((B, HV, chunks, V), f32),)
     wy = per_chunk_kernel(
         functools.partial(_wy_body, cfg=config, group=group),
-        tuple(out_type[2:4]) + tuple(out_type[5:]),
+        wy_out,
         chunks=chunks,
         HV=HV,
         B=B,
@@ -567,15 +639,15 @@ def channel_intra(
     )
     qk = per_chunk_kernel(
         functools.partial(_qk_body, group=group),
-        (out_type[0], out_type[1], out_type[4]),
+        (out_type[0], out_type[1], out_type[4], rows_flag, rows_flag),
         chunks=chunks,
         HV=HV,
         B=B,
         name="chan_intra_qk",
     )
     if config.scalar_beta:
-        w, u, *a = wy(k, v, G, gr, b)
+        w, u, *a, v_first = wy(k, v, G, gr, b)
     else:
-        w, u, *a = wy(k, *gated_operands(k, v, b, w_gate), G, gr)
-    qg, kg, aqk = qk(q, k, G, gr, gl)
-    return (qg, kg, w, u, aqk, *a)
+        (w, u, *a), v_first = wy(k, *gated_operands(k, v, b, w_gate), G, gr), None
+    qg, kg, aqk, q_nan, k_bad = qk(q, k, G, gr, gl)
+    return (qg, kg, w, u, aqk, *a), IntraFlags(q_nan, k_bad, v_first)

@@ -39,7 +39,7 @@ def _inputs(seed, variant, T, H, HV, K, g_val=None, gate_scale=1.0):
 def _intra(args, *, store_a=True):
     q, k, v, G, b, w = args
     cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=store_a)
-    return dict(zip(OUTS, channel_intra(q, k, v, G, b, w, cfg), strict=False))
+    return dict(zip(OUTS, channel_intra(q, k, v, G, b, w, cfg)[0], strict=False))
 
 
 def _refs(args):
@@ -125,6 +125,46 @@ def test_interpret_without_a():
             assert np.array_equal(np.asarray(x), np.asarray(with_a[name])), name
 
     run_interpreted(run)
+
+
+@pytest.mark.parametrize("variant", ["kda", "gdn2"])
+def test_interpret_flags_bad_values(variant):
+    """Non-finite values in the raw q, k, v (GVA: one q/k head, two value heads; two chunks; K =
+    128, two 64-column passes): the products equal those of the inputs with them as 0, and the
+    flags mark q's and k's rows and (KDA) v's first bad row per chunk and column."""
+    q, k, v, G, b, w = _inputs(5, variant, 128, 1, 2, 128)
+    q = q.at[0, 7, 0, 100].set(jnp.nan).at[0, 70, 0, 3].set(-jnp.inf)
+    k = k.at[0, 64, 0, 127].set(jnp.inf)
+    v = v.at[0, 30, 1, 5].set(jnp.nan).at[0, 20, 1, 5].set(jnp.inf).at[0, 127, 0, 127].set(jnp.nan)
+    raw = (q, k, v, G, b, w)
+    clean = tuple(
+        x if i > 2 or x is None else jnp.where(jnp.isfinite(x), x, 0).astype(x.dtype)
+        for i, x in enumerate(raw)
+    )
+    if variant == "gdn2":  # (the glue gates GDN2's v in XLA: the wy kernel never sees it)
+        raw = raw[:2] + clean[2:]
+    cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=True)
+
+    def run():
+        got, flags = channel_intra(*raw, cfg)
+        want = channel_intra(*clean, cfg)[0]
+        for name, a, c in zip(OUTS, got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a, f32), np.asarray(c, f32), err_msg=name)
+        return flags
+
+    flags = run_interpreted(run)
+    q_nan = np.zeros((1, 2, 128), np.float32)
+    q_nan[0, :, [7, 70]] = np.nan
+    np.testing.assert_array_equal(np.asarray(flags.q_nan), q_nan)
+    k_bad = np.zeros((1, 2, 128), np.float32)
+    k_bad[0, :, 64] = 1.0
+    np.testing.assert_array_equal(np.asarray(flags.k_bad), k_bad)
+    if variant == "gdn2":
+        assert flags.v_first is None
+        return
+    v_first = np.full((1, 2, 2, 128), 64.0, np.float32)
+    v_first[0, 1, 0, 5], v_first[0, 0, 1, 127] = 20, 63
+    np.testing.assert_array_equal(np.asarray(flags.v_first), v_first)
 
 
 def test_needs_k64_or_k128():

@@ -111,17 +111,28 @@ def test_interpret_floor_clamps_raw_gates():
     below the floor, the floor itself): the cumsum equals the sequential cumsum of
     clamped_log_decay(g), and the gradient equals autodiff of that composition (0 outside,
     ½ exactly at the floor)."""
-    shape, floor = (1, 128, 2, 64), -10.0
+    shape, floor = (2, 128, 2, 64), -10.0
     g = _gates(shape, seed=4, scale=12.0)  # some below the floor
     g[0, 3, 0, :4] = [np.nan, np.inf, -np.inf, 0.5]
     g[0, 70, 1, 5:8] = [floor, 0.0, -1e30]
     ct = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
 
+    g[1, 0, 1, 0] = np.nan  # (batch row 1, the first row of a chunk)
+    g[1, 127, 0, 63] = np.inf  # (the last row)
+    g[0, 5, 0, 9] = np.inf  # (a later bad row of a chunk with one already)
+
     def kernel_value_and_grad(g):
-        loss = lambda g: jnp.sum(_gate_cumsum.lane_gate_cumsum(g, floor) * ct)  # noqa: E731
+        loss = lambda g: jnp.sum(_gate_cumsum.lane_gate_cumsum(g, floor)[0] * ct)  # noqa: E731
         return _gate_cumsum.lane_gate_cumsum(g, floor), jax.grad(loss)(g)
 
-    G, dg = run_interpreted(jax.jit(kernel_value_and_grad), g)
+    (G, first_bad), dg = run_interpreted(jax.jit(kernel_value_and_grad), g)
+    # the rows holding NaN or +inf per chunk and head (−inf is a valid reset), as XLA's form
+    want_first = np.full((shape[0], shape[2], shape[1] // 64), 64.0, np.float32)
+    want_first[0, 0, 0], want_first[1, 1, 0], want_first[1, 0, 1] = 3, 0, 63
+    np.testing.assert_array_equal(np.asarray(first_bad), want_first)
+    assert not _gate_cumsum.kernel_serves(jnp.asarray(g))  # outside the interpreter: XLA's form
+    xla_first = _gate_cumsum.lane_gate_cumsum(jnp.asarray(g), floor)[1]
+    np.testing.assert_array_equal(np.asarray(xla_first), want_first)
     clamped = np.asarray(_gate_cumsum.clamped_log_decay(jnp.asarray(g), floor))
     assert np.all(np.isfinite(clamped)) and clamped.min() == floor and clamped.max() == 0.0
     np.testing.assert_array_equal(np.asarray(G), _sequential(clamped))
@@ -165,12 +176,14 @@ def test_tiles_per_cta():
 
 def test_lowers_for_cuda_in_half_an_sm():
     """Both kernels lower for sm_90a at the benchmark shape within half an SM's shared memory
-    (two CTAs per SM), forward and through the VJP."""
+    (two CTAs per SM), forward (with and without the raw form's flags) and through the VJP."""
     g = jax.ShapeDtypeStruct((4, 4096, 16, 128), f32)
 
     def f(g, ct):
         G, vjp = jax.vjp(_gate_cumsum.lane_gate_cumsum, g)
-        return G, vjp(ct)[0]
+        # the raw form (floor) with its bad-row flags
+        (Gr, first), vjp_r = jax.vjp(lambda g: _gate_cumsum.lane_gate_cumsum(g, -10.0), g)
+        return G, vjp(ct)[0], Gr, first, vjp_r((ct, jnp.zeros_like(first)))[0]
 
     with pk.cuda_lowering_mesh(), smem_limit(smem_per_cta(2)):
         txt = jax.jit(f).trace(g, g).lower(lowering_platforms=("cuda",)).as_text()
@@ -203,3 +216,19 @@ def test_gpu_vjp_matches_sequential_suffix_sum():
     G, vjp = jax.vjp(_gate_cumsum.lane_gate_cumsum, jnp.asarray(g))
     np.testing.assert_array_equal(np.asarray(G), _sequential(g))
     np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(ct))[0]), _sequential(ct, True))
+
+
+@pytest.mark.gpu
+def test_gpu_raw_gates_bad_rows():
+    """The raw form at the benchmark shape: the clamped cumsum and the first NaN / +inf row per
+    chunk and head, as XLA's form computes them."""
+    g = _gates(GPU_SHAPE, seed=7, scale=12.0)
+    g[0, 3, 0, 5], g[0, 9, 0, 7], g[2, 4095, 15, 127] = np.nan, np.inf, np.inf
+    g[3, 64, 4, 0] = -np.inf  # a reset, not bad
+    assert _gate_cumsum.kernel_serves(jnp.asarray(g))
+    G, first = jax.jit(lambda g: _gate_cumsum.lane_gate_cumsum(g, -10.0))(g)
+    clamped = np.asarray(_gate_cumsum.clamped_log_decay(jnp.asarray(g), -10.0))
+    np.testing.assert_array_equal(np.asarray(G), _sequential(clamped))
+    want = np.full((4, 16, 64), 64.0, np.float32)
+    want[0, 0, 0], want[2, 15, 63] = 3, 63
+    np.testing.assert_array_equal(np.asarray(first), want)
