@@ -303,23 +303,14 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
 
 
 @jax.jit
-def poison_flags(q, k, v, g, heads, cols):
-    """GDN's edge-value work on the pallas path (:mod:`gdn_jax.ops._sanitize`): the flags of
-    non-finite inputs and the first bad token per head and value column. The kernels read the
-    raw inputs and add the NaN to o themselves, so the sanitised copies (unused, removed by XLA)
-    and the output's poisoning are not part of it."""
+def poison_flags(v, heads, log_decays, cols):
+    """The public op's edge-value work in XLA on the pallas path (:func:`gdn_jax.ops._sanitize.
+    poison`): the flags of what XLA reads itself (the gates; GDN2's v, which it gates) and the
+    first bad token per head and value column. The kernels find the other inputs' bad values as
+    they load them and add the NaN to o themselves."""
     from gdn_jax.ops import _sanitize
 
-    return _sanitize.inputs(q, k, v, g, heads, cols, None)[1]
-
-
-@jax.jit
-def channel_poison_flags(v, heads, cols):
-    """KDA's / GDN2's edge-value work in XLA on the pallas path: the flags of the gates (and
-    GDN2's v, which XLA gates); the kernels find q's, k's, g's and KDA's v's as they read them."""
-    from gdn_jax.ops import _sanitize
-
-    return _sanitize.poison(v.shape, None, heads=heads, cols=cols)
+    return _sanitize.poison(v.shape, None, heads=heads, log_decays=log_decays, cols=cols)
 
 
 def bench_stages(s, x) -> dict:
@@ -342,11 +333,11 @@ def bench_stages(s, x) -> dict:
     cfg = ChunkFwdConfig(scale=s.K**-0.5)
     intra = jax.jit(lambda k, v, G, b: intra_chunk(k, v, G, b, IntraConfig()))
     intra_a = jax.jit(lambda k, v, G, b: intra_chunk(k, v, G, b, IntraConfig(store_a=True)))
-    w, u = intra(k, v, G, beta)
+    w, u = intra(k, v, G, beta)[0]
     fwd = jax.jit(lambda q, k, w, u, G, h0: chunk_fwd(q, k, w, u, G, h0, cfg))
     cfg_h = ChunkFwdConfig(scale=s.K**-0.5, store_h=True)
     hrec = jax.jit(lambda k, w, u, G, h0: chunk_fwd(None, k, w, u, G, h0, cfg_h))
-    _, _, A = intra_a(k, v, G, beta)
+    _, _, A = intra_a(k, v, G, beta)[0]
     h, vn = hrec(k, w, u, G, h0)
     do = jnp.asarray(x["do"], bf)
     dht = jnp.zeros_like(h0)
@@ -361,7 +352,7 @@ def bench_stages(s, x) -> dict:
     wy = jax.jit(lambda *a: bwd_wy(*a, dk_dtype=gdt))
     g_raw, b_raw = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
     return {
-        "poison_flags": time_jax(poison_flags, (q, k, v, g_raw, (b_raw,), ())),
+        "poison_flags": time_jax(poison_flags, (v, (b_raw,), (g_raw,), ())),
         "gdn_intra": time_jax(intra, (k, v, G, beta)),
         "gdn_intra(store_a)": time_jax(intra_a, (k, v, G, beta)),
         "gdn_chunk_fwd": time_jax(fwd, (q, k, w, u, G, h0)),
@@ -406,7 +397,7 @@ def bench_segment_stages(s, x, S: int) -> dict:
     G = G.transpose(0, 2, 1)
     beta = jnp.asarray(x["beta"]).transpose(0, 2, 1)
     h0 = jnp.zeros((B, HV, K, V), jnp.float32)
-    w, u = jax.jit(lambda k, v, G, b: intra_chunk(k, v, G, b, IntraConfig()))(k, v, G, beta)
+    w, u = jax.jit(lambda k, v, G, b: intra_chunk(k, v, G, b, IntraConfig()))(k, v, G, beta)[0]
     lcfg = LoopConfig(s.K**-0.5, segments=S)
     maps_f = jax.jit(lambda *a: segment_maps(*a, lcfg))
     maps_t = jax.jit(lambda *a: segment_maps(*a, lcfg, all_segments=True))
@@ -514,7 +505,7 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(clamped, g)[1](dG)[0])
     wy_form = "k_split" if wcfg.k_split else "one_cta"
     times.update({
-        "poison_flags": time_jax(channel_poison_flags, (v, heads, cols)),
+        "poison_flags": time_jax(poison_flags, (v, heads, (), cols)),
         "gate_clamp_cumsum": time_jax(cumsum, (g_raw,)),
         "gate_cumsum_bwd": time_jax(cumsum_bwd, (g_raw, g_raw)),
         "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),

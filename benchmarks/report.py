@@ -227,9 +227,10 @@ def stages_section(stages: list[dict], doc: dict) -> list[str]:
         "kernels, the op's edge-value work and, for split loops, each segment count's kernels), "
         "FLA's from a `torch.profiler` trace of its forward (`fwd`) and of its forward+backward "
         "(`fwdbwd`; `sum`: the pass's kernel time). Edge values: `poison_flags` is what the "
-        "pallas path computes (the flags and first bad tokens); `sanitize_inputs` and "
-        "`poison_output` are all of `_sanitize.inputs` and `Poison.output`, of which that path "
-        "runs only the flags.",
+        "pallas path computes in XLA (the flags and first bad tokens of what XLA reads itself; "
+        "the kernels flag the other inputs as they load them, in the rows measured at the "
+        "commit named); `sanitize_inputs` and `poison_output` are all of `_sanitize.inputs` "
+        "and `Poison.output`.",
         "",
     ]
     out += _table(["variant", "io", "shape", "impl", "pass", "sum", "kernels"], body)

@@ -250,6 +250,15 @@ def nonfinite(v: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(v) < jnp.inf, 0.0, 1.0)
 
 
+def first_bad_rows(bad_s, upper_s) -> jax.Array:
+    """Per column of the [C, 64] 0/1 tile ``bad_s`` (bf16), the first row holding a 1: [64] f32
+    in [0, C], C where none does. With ``upper_s`` U[r, s] = (r ≤ s), ``E = badᵀ U`` [64, C]
+    counts each column's bad rows up to row s (exact: 0/1 operands, f32 counts ≤ 64), and the
+    first bad row is the number of s where that count is 0: a row reduction of E."""
+    counts = cp.matmul(bad_s.T, upper_s, (bad_s.shape[1], bad_s.shape[0]))
+    return jnp.sum(jnp.where(counts == 0.0, 1.0, 0.0), axis=1)
+
+
 def per_chunk_kernel(
     body, out_type, *, chunks: int, HV: int, B: int, name: str, pair: bool = False
 ):

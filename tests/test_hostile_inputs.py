@@ -362,7 +362,7 @@ def _poison_on_the_lanes(variant, B, states, T, mode):
 @pytest.mark.parametrize(
     "variant,B,states,segments",
     [("gdn", 2, True, 1), ("gdn", 1, False, 1), ("gdn", 1, True, 2), ("kda", 1, True, 1),
-     ("kda", 1, False, 2)],
+     ("kda", 1, False, 2), ("gdn2", 1, True, 2)],
 )  # fmt: skip
 def test_pallas_interpreter_poison_on_the_lanes(variant, B, states, segments, monkeypatch):
     """(segments 2: the lane's chunk loop split in two, the poison's tables padded with it)"""

@@ -153,21 +153,6 @@ def _pallas_sees_layout(*arrays) -> None:
         raise NotImplementedError(why)
 
 
-def _prepare(q, k, v, g, heads, cols, *, scale, cu_seqlens):
-    """Value checks and sanitisation shared by the chunked ops and the decode steps.
-
-    Returns:
-      (q, k, v, g, heads, cols) sanitised (:mod:`gdn_jax.ops._sanitize`), the scale as a float,
-      the offsets to use and the Poison to apply to the results.
-    """
-    B, T = q.shape[:2]
-    scale = val.check_scale(scale, q.shape[-1])
-    val.check_log_decay("g", g)
-    cu_seqlens = val.sanitize_cu_seqlens(cu_seqlens, T)
-    clean, poison = _sanitize.inputs(q, k, v, g, heads, cols, cu_seqlens)
-    return clean, scale, cu_seqlens, poison
-
-
 def gated_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -233,35 +218,41 @@ def gated_delta_rule(
     if T == 0 or B == 0:
         val.check_scale(scale, K)
         return _empty(v, initial_state, N, HV, K, V, output_final_state)
-    raw_qkv = (q, k, v)
-    (q, k, v, g, (beta,), _), scale, cu_seqlens, poison = _prepare(
-        q, k, v, g, (beta.astype(jnp.float32),), (), scale=scale, cu_seqlens=cu_seqlens
-    )
+    scale = val.check_scale(scale, K)
+    val.check_log_decay("g", g)
+    cu_seqlens = val.sanitize_cu_seqlens(cu_seqlens, T)
+    beta = beta.astype(jnp.float32)
 
     def run_xla():
-        b = beta[..., None]
+        (qc, kc, vc, gc, (bc,), _), poison = _sanitize.inputs(q, k, v, g, (beta,), (), cu_seqlens)
+        b = bc[..., None]
         o, final = _xla.chunked(
-            q, k, v, g[..., None], b, b, scale=scale, initial_state=initial_state,
+            qc, kc, vc, gc[..., None], b, b, scale=scale, initial_state=initial_state,
             use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
         )  # fmt: skip
-        return poison.output(o), final
+        return poison.output(o), _final(poison, final)
 
     def run_pallas(fn):  # the GDN kernels fuse QAT (w and state sites) themselves
         _pallas_sees_layout(q, k, v, g, beta, initial_state)
         # The GDN kernels (and the l2norm's) read non-finite q, k, v values as 0, the
-        # sanitation's replacement: given the raw q, k, v, XLA writes no sanitised copies and
-        # keeps only the reductions of the Poison, which the chunk loop puts into o as it
-        # stores it.
-        return fn(
-            *raw_qkv, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat, poison=poison,
+        # sanitation's replacement: given the raw q, k, v, XLA writes no sanitised copies. The
+        # intra kernel finds k's and v's bad values as it loads them and the chunk loop q's:
+        # XLA reduces only the gates' flags (and k's under the L2 norm, whose kernel reads k),
+        # and the chunk loop puts the NaN into o as it stores it.
+        heads = (k, beta) if use_qk_l2norm else (beta,)
+        poison = _sanitize.poison(v.shape, cu_seqlens, heads=heads, log_decays=(g,))
+        o, final = fn(
+            q, k, v, _sanitize.log_decay(g), _sanitize.finite(beta), scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, qat=qat,
+            poison=poison,
         )  # fmt: skip
+        return o, _final(poison, final)
 
-    o, final = _run(
-        "gdn", implementation, run_xla, lambda: run_pallas(_pallas("gdn")), default="gdn"
-    )
-    return o, (poison.state(final, T) if output_final_state else None)
+    def _final(poison, final):
+        return poison.state(final, T) if output_final_state else None
+
+    return _run("gdn", implementation, run_xla, lambda: run_pallas(_pallas("gdn")), default="gdn")
 
 
 def _empty(v, initial_state, N, HV, K, V, output_final_state):

@@ -29,10 +29,11 @@ do not fuse raise NotImplementedError (:func:`pallas_kernels.channel.plan.check_
 Non-finite inputs (:mod:`gdn_jax.ops._sanitize`): the kernels read the raw inputs, replace bad
 values by 0 and flag them as they load them: the intra kernels the rows of q and k and KDA's
 first bad row of v per chunk and column (:class:`pallas_kernels.channel.intra.IntraFlags`), the
-gate cumsum g's bad rows. :func:`_poison` turns those, with the op's flags of what XLA reads (the
-gates, GDN2's v, q and k under the L2 norm: :class:`LaneFlags`), into the chunk loop's poison
-inputs (per-chunk first rows, a prefix min along each sequence) and the final state's NaN: no
-pass of their own over q, k, v or g.
+gate cumsum g's bad rows. :func:`gdn_jax.ops._pallas_common.loop_poison` turns those, with the
+op's flags of what XLA reads (the gates, GDN2's v, q and k under the L2 norm:
+:class:`~gdn_jax.ops._pallas_common.LaneFlags`), into the chunk loop's poison inputs (per-chunk
+first rows, a prefix min along each sequence) and the final state's NaN: no pass of their own
+over q, k, v or g.
 
 Which form of each kernel stage runs (split intra, K-split backward kernels, ...) is decided by
 one plan per call, :func:`pallas_kernels.channel.plan.channel_plan` (its docstring gives the
@@ -77,7 +78,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,12 +87,15 @@ from gdn_jax.ops import _xla
 from gdn_jax.ops._gate_cumsum import clamped_log_decay, first_bad_rows, lane_gate_cumsum
 from gdn_jax.ops._pallas_common import (
     CoreConfig,
+    LaneFlags,
     from_one_lane,
     from_padded_lanes,
     lane_poison,
+    loop_poison,
     one_lane,
     packed_meta,
     padded_lanes,
+    poison_state,
     wipe_first_tokens,
 )
 from gdn_jax.ops._sanitize import Poison, finite
@@ -100,14 +103,14 @@ from gdn_jax.ops._segments import (
     lane_segment_count,
     last_segment_state,
     pad_chunks,
-    pad_tables,
+    pad_meta,
     segment_entries,
 )
 from gdn_jax.qat import QATConfig
 from gdn_jax.reference._common import chunk_layout, l2norm
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK, LoopConfig
-from pallas_kernels.channel.intra import IntraFlags, channel_intra
+from pallas_kernels.channel.intra import channel_intra
 from pallas_kernels.channel.plan import ChannelPlan, channel_plan, check_supported
 from pallas_kernels.gdn.segment_state import segment_maps
 from pallas_kernels.recurrence.chunk_fwd import channel_chunk_fwd
@@ -176,82 +179,6 @@ def core_plan(cfg: ChannelConfig, q: jax.Array, v: jax.Array, *, store_a: bool) 
     )
 
 
-class LaneFlags(NamedTuple):
-    """The core's poison inputs (:mod:`gdn_jax.ops._sanitize`) besides those its kernels find
-    (the rows of q and k holding bad values, KDA's v's), on the lanes (L lanes of nc chunks).
-
-    Attributes:
-      nan_rows: [L, HV, Tp] f32 or None: NaN on the rows of a bad q the kernels do not see (the
-        glue's L2 norm reads q), else 0.
-      nan_from: [L, HV, nc, V] f32 or None: per chunk, the row from which each value column is
-        NaN for the inputs the kernels do not read (the gates β, b, w, GDN2's v, k under the
-        L2 norm; :func:`gdn_jax.ops._pallas_common.lane_poison`), 64 where it is not.
-      g_first: [L, HV, nc] f32: per chunk, the first row where the raw log-decay is NaN or +inf
-        (the gate cumsum's, :func:`gdn_jax.ops._gate_cumsum.lane_gate_cumsum`), 64 where none is.
-      chunk_seq: None (a sequence per lane), or [nc] int32, the sequence of each chunk of the
-        one lane of packed sequences (non-decreasing; padding chunks past the last).
-    """
-
-    nan_rows: jax.Array | None
-    nan_from: jax.Array | None
-    g_first: jax.Array
-    chunk_seq: jax.Array | None
-
-
-def _row_first(rows: jax.Array) -> jax.Array:
-    """Per 64-row chunk, the first row where ``rows`` [L, HV, Tp] (f32 flags) is non-zero:
-    [L, HV, Tp/64] f32, 64 where none is."""
-    L, HV, Tp = rows.shape
-    r = jnp.arange(CHUNK, dtype=f32)
-    return jnp.min(jnp.where(rows.reshape(L, HV, Tp // CHUNK, CHUNK) != 0, r, CHUNK), axis=-1)
-
-
-def _poison(flags: IntraFlags, lanes: LaneFlags | None, meta, V: int):
-    """The chunk loop's poison inputs and the final state's, from the kernels' flags and the op's
-    (``lanes``; None: a lane per sequence and nothing bad but what the kernels find).
-
-    Returns:
-      ((nan_rows [L, HV, Tp] f32, nan_from [L, HV, nc, V] f32): as
-      :func:`pallas_kernels.recurrence.chunk_fwd.channel_chunk_fwd` takes them, end [L or S, HV,
-      1 or V] bool: the final states poisoned (per sequence with ``meta``)).
-    """
-    head = _row_first(flags.k_bad)
-    if lanes is not None:
-        head = jnp.minimum(head, lanes.g_first)
-    head = head[..., None]  # [L, HV, nc, 1]
-    first = head if flags.v_first is None else jnp.minimum(head, flags.v_first)
-    nc = first.shape[2]
-    c0 = (CHUNK * jnp.arange(nc, dtype=f32))[:, None]
-    at = jnp.where(first < CHUNK, c0 + first, jnp.inf)  # lane row of the chunk's first bad value
-    # per chunk, the first bad row of its sequence up to the chunk's end: a prefix min along the
-    # lane, restarted where a new sequence starts
-    if lanes is None or lanes.chunk_seq is None:
-        upto = jax.lax.cummin(at, axis=2)
-    else:
-        seq = lanes.chunk_seq[:, None]
-
-        def combine(a, b):
-            return b[0], jnp.where(a[0] == b[0], jnp.minimum(a[1], b[1]), b[1])
-
-        upto = jax.lax.associative_scan(combine, (jnp.broadcast_to(seq, at.shape), at), axis=2)[1]
-    nan_from = jnp.clip(upto - c0, 0, CHUNK)
-    if lanes is not None and lanes.nan_from is not None:
-        nan_from = jnp.minimum(nan_from, lanes.nan_from)
-    nan_from = jnp.broadcast_to(nan_from, nan_from.shape[:3] + (V,))
-    bad = upto < jnp.inf
-    if meta is None:
-        end = bad[:, :, -1]
-    else:  # a sequence's last chunk holds its flags (empty sequences have none)
-        # (nc rows: at least one per sequence, N <= nc; the caller keeps the first N)
-        last = meta[:, 1]
-        end = bad[0].transpose(1, 0, 2)  # [nc, HV, V']
-        end = jnp.zeros_like(end).at[jnp.where(last >= 0, last, nc)].max(end, mode="drop")
-    nan_rows = flags.q_nan
-    if lanes is not None and lanes.nan_rows is not None:
-        nan_rows = nan_rows + lanes.nan_rows
-    return (nan_rows, nan_from), end
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta=None, lanes=None):
     """(o, final state, products): products are the intra kernel's ``(qg, kg, wk, u, Aqk, A)``
@@ -263,7 +190,11 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta
     with cfg.kernels():
         bk = kernel_beta(b) if cfg.scalar_beta else b
         products, flags = channel_intra(q, k, v, G, bk, w, plan.intra_config())
-        poison, end = _poison(flags, lanes, meta, V)
+        nan_from, end = loop_poison(flags.k_bad, flags.v_first, lanes, meta, V)
+        nan_rows = flags.q_nan
+        if lanes is not None and lanes.nan_rows is not None:
+            nan_rows = nan_rows + lanes.nan_rows
+        poison = (nan_rows, nan_from)
         qg, kg, wk, u, aqk = products[:5]
         dl, fcfg = decay_last(G), plan.fwd_config(cfg.scale)
         S = cfg.segments
@@ -277,7 +208,7 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta
             ht = last_segment_state(ht, B, S, h0, meta)
         else:
             o, ht = channel_chunk_fwd(qg, kg, wk, u, aqk, dl, h0, fcfg, meta, poison)
-    ht = ht + jnp.where(end[: ht.shape[0], :, None, :], jnp.nan, 0.0)
+    ht = poison_state(ht, end)
     return o, ht, (products if with_products else None)
 
 
@@ -392,8 +323,10 @@ def channel_pallas(
       scale, initial_state ([N, HV, K, V] f32 or None), output_final_state, use_qk_l2norm,
       cu_seqlens ([N + 1] int32, B == 1), chunk_size (64): as the public ops.
       qat: optional FP8 fake quantisation of w and the chunk-entering states (fused).
-      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison`, put into o by the chunk loop as
-        it stores it (the final state is left to the op), or None.
+      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison` of what the kernels do not read
+        (the gates, GDN2's v; q and k under the L2 norm), or None. The chunk loop puts it into o,
+        with the bad values the kernels find in q, k, g (and KDA's v), as it stores o; the final
+        state gets the kernels' part (the op adds its own).
       segments: how many segments the forward's state loop cuts each lane into (run in
         parallel); None: :func:`gdn_jax.ops._segments.segment_count` of the lanes and the
         device's SM count (1 with the QAT state quant, whose loop is not affine in the state).
@@ -461,22 +394,19 @@ def channel_pallas(
     if not isinstance(segments, int) or segments < 1:
         raise ValueError(f"{segments=} must be None or an int >= 1")
     cfg = dataclasses.replace(cfg, segments=segments)
+    lanes = LaneFlags(nan_rows, nan_from, g_first, chunk_seq)
     if segments > 1:  # lanes of a multiple of 64 · segments rows (inert zero padding)
         xp = pad_chunks(xp, (1,) * len(xp), segments)
         pad = xp[0].shape[1] // CHUNK - rows // CHUNK
-        meta, lp = pad_tables(meta, None if nan_from is None else (nan_rows, nan_from), pad)
-        nan_rows, nan_from = lp or (None, None)
-        if chunk_seq is not None:
-            chunk_seq = jnp.pad(chunk_seq, (0, pad), constant_values=N)
-        if g_first is not None:
-            g_first = jnp.pad(g_first, [(0, 0), (0, 0), (0, pad)], constant_values=CHUNK)
+        meta = pad_meta(meta, pad)
+        lanes = lanes.pad(pad)
     qp, kp, vp, gp, bp = xp[:5]
     wp = None if scalar else xp[5]
     if floor is None:
         G = lane_gate_cumsum(gp)
     else:  # the raw g: the cumsum clamps it and finds its bad rows
         G, g_first = lane_gate_cumsum(gp, floor)
-    lanes = LaneFlags(nan_rows, nan_from, g_first, chunk_seq)
+        lanes = lanes._replace(g_first=g_first)
     o, ht = _core(cfg, qp, kp, vp, G, bp, wp, h0, meta, lanes)
     o = o[:, :rows]
 

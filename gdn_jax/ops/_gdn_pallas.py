@@ -29,12 +29,15 @@ import jax.numpy as jnp
 from gdn_jax import remat
 from gdn_jax.ops._pallas_common import (
     CoreConfig,
+    LaneFlags,
     from_one_lane,
     from_padded_lanes,
     lane_poison,
+    loop_poison,
     one_lane,
     packed_meta,
     padded_lanes,
+    poison_state,
     wipe_first_tokens,
     zero_sequences_without_chunks,
 )
@@ -43,7 +46,7 @@ from gdn_jax.ops._segments import (
     lane_segment_count,
     last_segment_state,
     pad_chunks,
-    pad_tables,
+    pad_meta,
     segment_end_cotangents,
     segment_entries,
     segment_tables,
@@ -129,22 +132,31 @@ def _normalized(cfg, q, k):
         )
 
 
+def _intra(cfg, k, v, G, beta, meta, lanes):
+    """w, u, the chunk loop's poison inputs (:func:`gdn_jax.ops._pallas_common.loop_poison`: the
+    intra kernel's flags of k and v with ``lanes``) and the final state's NaN."""
+    (w, u), (k_bad, v_first) = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
+    nan_from, end = loop_poison(k_bad, v_first, lanes, meta, v.shape[-1])
+    return w, u, (None, nan_from), end
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _forward(cfg, q, k, v, G, beta, h0, meta, poison):
+def _forward(cfg, q, k, v, G, beta, h0, meta, lanes):
     with cfg.kernels():
-        w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
+        w, u, poison, end = _intra(cfg, k, v, G, beta, meta, lanes)
         if cfg.segments > 1:
             o, ht, _ = _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, all_segments=False)
-            return o, ht
-        o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]), meta, poison)
-    return o, ht
+        else:
+            o, ht = chunk_fwd(q, k, w, u, G, h0, cfg.fwd_config(v.shape[-1]), meta, poison)
+    return o, poison_state(ht, end)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _segmented_forward(cfg, q, k, v, G, beta, h0, meta, poison):
+def _segmented_forward(cfg, q, k, v, G, beta, h0, meta, lanes):
     with cfg.kernels():
-        w, u = intra_chunk(k, v, G, beta, IntraConfig(w_quant=cfg.w_quant))
-        return _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, all_segments=True)
+        w, u, poison, end = _intra(cfg, k, v, G, beta, meta, lanes)
+        o, ht, seg = _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, all_segments=True)
+    return o, poison_state(ht, end), seg
 
 
 def _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, *, all_segments):
@@ -161,14 +173,14 @@ def _segmented_loop(cfg, q, k, w, u, G, h0, meta, poison, *, all_segments):
     return o, last_segment_state(ht, B, cfg.segments, h0, meta), (starts, maps)
 
 
-def _core_fwd(cfg, q, k, v, G, beta, h0, meta, poison):
+def _core_fwd(cfg, q, k, v, G, beta, h0, meta, lanes):
     raw = (q, k) if cfg.qk_l2norm else None  # the l2norm backward recomputes from these
     q, k = _normalized(cfg, q, k)
     if cfg.segments > 1:
-        o, ht, seg = _segmented_forward(cfg, q, k, v, G, beta, h0, meta, poison)
+        o, ht, seg = _segmented_forward(cfg, q, k, v, G, beta, h0, meta, lanes)
         seg = tuple(remat.name(x, remat.GDN_CHUNK_STATES) for x in seg)
     else:
-        (o, ht), seg = _forward(cfg, q, k, v, G, beta, h0, meta, poison), None
+        (o, ht), seg = _forward(cfg, q, k, v, G, beta, h0, meta, lanes), None
     G = remat.name(G, remat.GDN_GATE_CUMSUM)
     return (o, ht), (q, k, v, G, beta, h0, meta, seg, raw)
 
@@ -196,7 +208,7 @@ def _core_bwd(cfg, res, cts):
     gdt = dt if grp == 1 and raw is None else f32
     with cfg.kernels():
         # the same kernels and configs as the forward: w and h are the quantised values it used
-        w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True, w_quant=cfg.w_quant))
+        w, u, A = intra_chunk(k, v, G, beta, IntraConfig(store_a=True, w_quant=cfg.w_quant))[0]
         if seg is None:
             h, vn = chunk_fwd(None, k, w, u, G, h0, cfg.fwd_config(v.shape[-1], store_h=True), meta)
             dh_k, dv2_k, dh0 = chunk_bwd_dh(q, k, w, do.astype(dt), G, dht, LoopConfig(scale), meta)
@@ -262,8 +274,8 @@ def _segmented_bwd_loops(cfg, q, k, w, u, do, G, h0, dht, meta, seg):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None, poison=None):
-    return _core_fwd(cfg, q, k, v, G, beta, h0, meta, poison)[0]
+def _core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None, lanes=None):
+    return _core_fwd(cfg, q, k, v, G, beta, h0, meta, lanes)[0]
 
 
 # No optimize_remat: it would hide the residuals' checkpoint names from remat/offload policies
@@ -330,8 +342,10 @@ def gated_delta_rule_pallas(
       segments: how many segments the chunk loops cut each lane into (run in parallel); None:
         :func:`gdn_jax.ops._segments.segment_count` of the lanes and the device's SM count
         (1 with the QAT state quant, whose loop is not affine in the state).
-      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison`, put into o by the chunk loop as
-        it stores it (the final state is left to the op), or None.
+      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison` of what the kernels do not read
+        (the gates; k under the L2 norm), or None. The chunk loop puts it into o, with the bad
+        values the intra kernel finds in k and v and the loop in q, as it stores o; the final
+        state gets the kernels' part (the op adds its own).
     Returns:
       (o [B, T, HV, V] in v.dtype, final state or None).
     Raises:
@@ -369,8 +383,7 @@ def gated_delta_rule_pallas(
 
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     Gp, bp = _kernel_gates(gp, bp)
-    lp = lane_poison(poison, cu_seqlens, T, Tp, q_rows=False)
-    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, lp)
+    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, _lanes(poison, cu_seqlens, T, Tp))
     o = from_padded_lanes(o, cu_seqlens, T)
     return o.astype(v.dtype), (ht if output_final_state else None)
 
@@ -383,14 +396,26 @@ def _segments_for(cfg: PallasConfig, B: int, T: int, HV: int, V: int, cu_seqlens
     return lane_segment_count(B, T, HV, V // cfg.fwd_config(V).block_v, cu_seqlens)
 
 
-def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta=None, poison=None):
+def _lanes(poison: Poison | None, cu_seqlens, T: int, Tp: int, layout=None) -> LaneFlags:
+    """The core's :class:`~gdn_jax.ops._pallas_common.LaneFlags` from the op's Poison of what
+    the kernels do not read (the gates; k under the L2 norm): dense lanes (a lane per batch row
+    or sequence, ``Tp`` rows) or, with ``layout``, the one lane of packed sequences."""
+    nan_from = None
+    if poison is not None:
+        nan_from = lane_poison(poison, cu_seqlens, T, Tp, layout, q_rows=False)[1]
+    return LaneFlags(None, nan_from, None, None if layout is None else layout.seq[0])
+
+
+def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta, lanes: LaneFlags):
     """:func:`_core` on lanes padded to a multiple of ``64 · cfg.segments`` rows (inert zero rows;
-    the per-chunk table gets -1 rows, the poison none); o is cut back to the lanes' rows."""
+    the per-chunk table gets -1 rows, the flags none); o is cut back to the lanes' rows."""
     rows = q.shape[1]
     if cfg.segments > 1:
         q, k, v, G, beta = pad_chunks((q, k, v, G, beta), (1, 1, 1, 2, 2), cfg.segments)
-        meta, poison = pad_tables(meta, poison, q.shape[1] // CHUNK - rows // CHUNK)
-    o, ht = _core(cfg, q, k, v, G, beta, h0, meta, poison)
+        pad = q.shape[1] // CHUNK - rows // CHUNK
+        meta = pad_meta(meta, pad)
+        lanes = lanes.pad(pad)
+    o, ht = _core(cfg, q, k, v, G, beta, h0, meta, lanes)
     return o[:, :rows], ht
 
 
@@ -415,8 +440,7 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens, poison):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(wipe_first_tokens(gp, layout), bp)
     h0 = jnp.zeros((1, HV, K, V), f32)
-    lp = lane_poison(poison, cu_seqlens, T, 0, layout, q_rows=False)
-    o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, lp)
+    o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, _lanes(poison, cu_seqlens, T, 0, layout))
     return from_one_lane(o, layout, T).astype(v.dtype)
 
 
@@ -434,7 +458,7 @@ def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state, poison):
     (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
     Gp, bp = _kernel_gates(gp, bp)
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    lp = lane_poison(poison, cu_seqlens, T, 0, layout, q_rows=False)
-    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, packed_meta(layout), lp)
+    lanes = _lanes(poison, cu_seqlens, T, 0, layout)
+    o, ht = _run_core(cfg, qp, kp, vp, Gp, bp, h0, packed_meta(layout), lanes)
     ht = jnp.where(layout.empty[:, None, None, None], h0, ht)  # empty: final = initial
     return from_one_lane(o, layout, T).astype(v.dtype), ht

@@ -13,6 +13,7 @@ by the chunk loops from a per-chunk table of sequence ids (:func:`packed_meta`).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +26,16 @@ from pallas_kernels._tiles import CHUNK, META_COLS
 
 __all__ = [
     "CoreConfig",
+    "LaneFlags",
     "WIPE_LOG_DECAY",
     "from_one_lane",
     "from_padded_lanes",
     "lane_poison",
+    "loop_poison",
     "one_lane",
     "packed_meta",
     "padded_lanes",
+    "poison_state",
     "wipe_first_tokens",
     "zero_sequences_without_chunks",
 ]
@@ -212,3 +216,110 @@ def lane_poison(
         frm = first[:, None] - jnp.broadcast_to(tok0, (first.shape[0], nc))[..., None, None]
     nan_from = jnp.clip(frm, 0, CHUNK).astype(f32).transpose(0, 2, 1, 3)
     return (lane_rows.transpose(0, 2, 1) if q_rows else None), nan_from
+
+
+class LaneFlags(NamedTuple):
+    """A core's poison inputs (:mod:`gdn_jax.ops._sanitize`) besides those its kernels find
+    as they load the raw inputs (k's bad rows, v's first bad row per column (GDN, KDA); the
+    channel intra's q rows), on the lanes (L lanes of nc chunks).
+
+    Attributes:
+      nan_rows: [L, HV, Tp] f32 or None: NaN on the rows of a bad q the channel kernels do not
+        see (the glue's L2 norm reads q), else 0 (GDN's chunk loop finds them itself).
+      nan_from: [L, HV, nc, V] f32 or None: per chunk, the row from which each value column is
+        NaN for the inputs the kernels do not read (the gates, GDN2's v, k under the L2 norm;
+        :func:`lane_poison`), 64 where it is not.
+      g_first: [L, HV, nc] f32 or None: per chunk, the first row where the raw log-decay is NaN
+        or +inf (the channel gate cumsum's, :func:`gdn_jax.ops._gate_cumsum.lane_gate_cumsum`),
+        64 where none is; None: in ``nan_from`` (GDN's g, flagged in XLA).
+      chunk_seq: None (a sequence per lane), or [nc] int32, the sequence of each chunk of the
+        one lane of packed sequences (non-decreasing; padding chunks past the last).
+    """
+
+    nan_rows: jax.Array | None
+    nan_from: jax.Array | None
+    g_first: jax.Array | None
+    chunk_seq: jax.Array | None
+
+    def pad(self, chunks: int) -> LaneFlags:
+        """For ``chunks`` more chunks of inert padding at the lanes' ends (the segmented loops'
+        :func:`gdn_jax.ops._segments.pad_chunks`): no NaN there (padding chunks join the last
+        sequence, whose flags they do not change)."""
+
+        def pad(x, per_chunk, value):  # along axis 2 (axis 0 for chunk_seq), per_chunk entries
+            if x is None:
+                return None
+            axis = 0 if x.ndim == 1 else 2
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, chunks * per_chunk)
+            if value == "edge":
+                return jnp.pad(x, widths, mode="edge")
+            return jnp.pad(x, widths, constant_values=value)
+
+        return LaneFlags(
+            pad(self.nan_rows, CHUNK, 0.0),
+            pad(self.nan_from, 1, CHUNK),
+            pad(self.g_first, 1, CHUNK),
+            pad(self.chunk_seq, 1, "edge"),
+        )
+
+
+def _row_first(rows: jax.Array) -> jax.Array:
+    """Per 64-row chunk, the first row where ``rows`` [L, HV, Tp] (f32 flags) is non-zero:
+    [L, HV, Tp/64] f32, 64 where none is."""
+    L, HV, Tp = rows.shape
+    r = jnp.arange(CHUNK, dtype=f32)
+    return jnp.min(jnp.where(rows.reshape(L, HV, Tp // CHUNK, CHUNK) != 0, r, CHUNK), axis=-1)
+
+
+def loop_poison(k_bad, v_first, lanes: LaneFlags | None, meta, V: int):
+    """The chunk loop's ``nan_from`` and the final state's NaN, from the intra kernel's flags
+    and the rest (``lanes``; None: a lane per sequence and nothing bad but what the kernels find).
+
+    Args:
+      k_bad: [L, HV, Tp] f32, non-zero on the rows of k holding a bad value.
+      v_first: [L, HV, nc, V] f32 per chunk and column the first bad row of v (64: none), or
+        None (v's flags are in ``lanes``).
+      meta: the packed lane's per-chunk table (column 1: the sequence whose last chunk this
+        is, else -1), or None.
+    Returns:
+      (nan_from [L, HV, nc, V] f32, end [L or nc, HV, 1 or V] bool: the final states poisoned,
+      the lanes' or, with ``meta``, the sequences' (the first N of nc rows)).
+    """
+    head = _row_first(k_bad)
+    if lanes is not None and lanes.g_first is not None:
+        head = jnp.minimum(head, lanes.g_first)
+    first = head[..., None]  # [L, HV, nc, 1]
+    if v_first is not None:
+        first = jnp.minimum(first, v_first)
+    nc = first.shape[2]
+    c0 = (CHUNK * jnp.arange(nc, dtype=f32))[:, None]
+    at = jnp.where(first < CHUNK, c0 + first, jnp.inf)  # lane row of the chunk's first bad value
+    # per chunk, the first bad row of its sequence up to the chunk's end: a prefix min along the
+    # lane, restarted where a new sequence starts
+    if lanes is None or lanes.chunk_seq is None:
+        upto = jax.lax.cummin(at, axis=2)
+    else:
+        seq = jnp.broadcast_to(lanes.chunk_seq[:, None], at.shape)
+
+        def combine(a, b):
+            return b[0], jnp.where(a[0] == b[0], jnp.minimum(a[1], b[1]), b[1])
+
+        upto = jax.lax.associative_scan(combine, (seq, at), axis=2)[1]
+    nan_from = jnp.clip(upto - c0, 0, CHUNK)
+    if lanes is not None and lanes.nan_from is not None:
+        nan_from = jnp.minimum(nan_from, lanes.nan_from)
+    nan_from = jnp.broadcast_to(nan_from, nan_from.shape[:3] + (V,))
+    bad = upto < jnp.inf
+    if meta is None:
+        end = bad[:, :, -1]
+    else:  # a sequence's last chunk holds its flags (empty sequences have none); nc >= N rows
+        last = meta[:, 1]
+        end = bad[0].transpose(1, 0, 2)  # [nc, HV, 1 or V]
+        end = jnp.zeros_like(end).at[jnp.where(last >= 0, last, nc)].max(end, mode="drop")
+    return nan_from, end
+
+
+def poison_state(ht: jax.Array, end: jax.Array) -> jax.Array:
+    """Final states [S, HV, K, V] with NaN where ``end`` (:func:`loop_poison`) says."""
+    return ht + jnp.where(end[: ht.shape[0], :, None, :], jnp.nan, 0.0)

@@ -44,7 +44,7 @@ __all__ = [
     "segment_tables",
     "segment_entries",
     "last_segment_state",
-    "pad_tables",
+    "pad_meta",
 ]
 
 SM_COUNT = 132  # H200 (and H100 SXM)
@@ -223,15 +223,9 @@ def last_segment_state(ht: jax.Array, B: int, S: int, h0: jax.Array, meta) -> ja
     return ht.reshape((B, S) + ht.shape[1:])[:, -1] if meta is None else ht[: h0.shape[0]]
 
 
-def pad_tables(meta: jax.Array | None, poison, pad: int):
-    """The per-chunk table (-1 rows) and the chunk loop's poison inputs (no NaN) for ``pad``
-    more chunks of inert padding (:func:`pad_chunks`); None stays None."""
-    if meta is not None:
-        meta = jnp.concatenate([meta, jnp.full((pad, meta.shape[1]), -1, meta.dtype)])
-    if poison is not None:
-        nan_rows, nan_from = poison
-        if nan_rows is not None:
-            nan_rows = jnp.pad(nan_rows, [(0, 0), (0, 0), (0, pad * CHUNK)])
-        nan_from = jnp.pad(nan_from, [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=CHUNK)
-        poison = (nan_rows, nan_from)
-    return meta, poison
+def pad_meta(meta: jax.Array | None, pad: int) -> jax.Array | None:
+    """The per-chunk table with ``pad`` more chunks of inert padding (:func:`pad_chunks`): -1
+    rows; None stays None."""
+    if meta is None:
+        return None
+    return jnp.concatenate([meta, jnp.full((pad, meta.shape[1]), -1, meta.dtype)])

@@ -76,6 +76,7 @@ from pallas_kernels._tiles import (
     chunk_coords,
     ex2_exp,
     finite,
+    first_bad_rows,
     nonfinite,
     per_chunk_kernel,
 )
@@ -131,15 +132,6 @@ def _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt) -> jax.Array:
         C = X.shape[0]
         X = X * cp.bcast_cols(cp.col_vec(be_s, C), (C, C))
     return X
-
-
-def _first_bad_rows(bad_s, upper_s) -> jax.Array:
-    """Per column of the [C, 64] 0/1 tile ``bad_s`` (bf16), the first row holding a 1: [64] f32
-    in [0, C], C where none does. With ``upper_s`` U[r, s] = (r ≤ s), ``E = badᵀ U`` [64, C]
-    counts each column's bad rows up to row s (exact: 0/1 operands, f32 counts ≤ 64), and the
-    first bad row is the number of s where that count is 0: a row reduction of E."""
-    counts = cp.matmul(bad_s.T, upper_s, (bad_s.shape[1], bad_s.shape[0]))
-    return jnp.sum(jnp.where(counts == 0.0, 1.0, 0.0), axis=1)
 
 
 class _Factored:
@@ -327,7 +319,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         def u_tiles(put, oy_s, flag_tiles):
             """u = A (w_gate ⊙ v), one V-half at a time. KDA (``flag_tiles``) reads the op's raw v:
             non-finite values as 0, and per column the first row holding one goes to ``vfirst``
-            (:func:`_first_bad_rows`)."""
+            (:func:`first_bad_rows`)."""
             for p in range(vpass):
                 if flag_tiles is not None:
                     bad_s, upper_s, first_s = flag_tiles
@@ -339,7 +331,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                     # in place (each thread rewrites the elements it read)
                     v_s[p][...] = finite(raw).astype(dt)
                     plgpu.commit_smem()
-                    first_s.at[p][...] = _first_bad_rows(bad_s, upper_s)
+                    first_s.at[p][...] = first_bad_rows(bad_s, upper_s)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(first_s.at[p], vfirst_g.at[b, hv, c, _cols(p)])
                 put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])

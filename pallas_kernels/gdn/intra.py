@@ -11,6 +11,12 @@ The inverse uses the doubling rule ``X ← X − X (O_s X)`` for s = 1, 2, …, 
 restricted to the lower-left s×s block of each 2s×2s diagonal block: every intermediate is a block
 of the true inverse, so magnitudes stay bounded (the product form (I−L)(I+L²)… is unstable).
 K Kᵀ, L and X are f32 in registers; only wgmma operands are 16-bit.
+
+The kernel reads the op's raw k and v: it replaces their non-finite values by 0 as it loads them
+and flags them (the op's poison, :mod:`gdn_jax.ops._sanitize`): k's rows holding one (a row
+reduction in registers) and v's first such row per value column (a product that counts each
+column's bad rows, :func:`pallas_kernels._tiles.first_bad_rows`), in the inverse's
+scratch tiles and u's staging tile before they take their own values.
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ from jax import lax
 
 from pallas_kernels import _compat as cp
 from pallas_kernels._compat import pl, plgpu
-from pallas_kernels._tiles import CHUNK, chunk_coords, finite, per_chunk_kernel
+from pallas_kernels._tiles import (
+    CHUNK,
+    chunk_coords,
+    finite,
+    first_bad_rows,
+    nonfinite,
+    per_chunk_kernel,
+)
 from pallas_kernels.gdn.fake_quant import W_QUANT, fake_quant_e4m3
 
 
@@ -51,23 +64,36 @@ class IntraConfig:
 def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: str | None):
     w_g, u_g = outs[0], outs[1]
     a_g = outs[2] if store_a else None
+    kbad_g, vfirst_g = outs[-2:]
     C = CHUNK
     # GVA: value head hv reads q/k head hk = hv // (HV // H)
     c, hv, b, hk, rows = chunk_coords(group, C)
     K, V = k_g.shape[-1], v_g.shape[-1]
     dt = k_g.dtype
 
-    def scoped(k_s, v_s, g_s, be_s, x_s, oy_s, w_s, u_s, bar):
+    def scoped(k_s, v_s, g_s, be_s, x_s, oy_s, w_s, u_s, kf_s, vf_s, bar):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, hk, :], k_s, bar.at[0])
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, hv, :], v_s, bar.at[1])
         plgpu.copy_gmem_to_smem(g_g.at[b, hv, rows], g_s, bar.at[2])
         plgpu.copy_gmem_to_smem(b_g.at[b, hv, rows], be_s, bar.at[3])
         for i in range(4):
             plgpu.barrier_wait(bar.at[i])
-        # the op's raw k and v: non-finite values read as 0 (the sanitation's replacement)
-        k_s[...] = finite(cp.load_tile(k_s).astype(jnp.float32)).astype(dt)
-        v_s[...] = finite(cp.load_tile(v_s).astype(jnp.float32)).astype(dt)
+        # the op's raw k and v: non-finite values read as 0 (the sanitation's replacement) and
+        # flagged: k's bad rows, v's first bad row per column (its 0/1 tile in u's staging tile,
+        # U[r, s] = (r <= s) in the inverse's scratch, both free until then)
+        k_raw = cp.load_tile(k_s).astype(jnp.float32)
+        kf_s[...] = jnp.max(nonfinite(k_raw), axis=1)
+        k_s[...] = finite(k_raw).astype(dt)
+        v_raw = cp.load_tile(v_s).astype(jnp.float32)
+        u_s[...] = nonfinite(v_raw).astype(dt)
+        v_s[...] = finite(v_raw).astype(dt)
+        upper = cp.iota((C, C), 0) <= cp.iota((C, C), 1)
+        oy_s[...] = jnp.where(upper, 1.0, 0.0).astype(dt)
         plgpu.commit_smem()
+        vf_s[...] = first_bad_rows(u_s, oy_s)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(kf_s, kbad_g.at[b, hv, rows])
+        plgpu.copy_smem_to_gmem(vf_s, vfirst_g.at[b, hv, c, :])
 
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
@@ -133,6 +159,8 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: s
         cp.smem((C, C), dt),
         cp.smem((C, K), dt),
         cp.smem((C, V), dt),
+        cp.smem((C,), jnp.float32, swizzled=False),  # k's bad rows
+        cp.smem((V,), jnp.float32, swizzled=False),  # v's first bad row per column
         plgpu.Barrier(num_barriers=4),
     )
 
@@ -143,8 +171,8 @@ def intra_chunk(
     g_cum: jax.Array,
     beta: jax.Array,
     config: IntraConfig = IntraConfig(),
-) -> tuple[jax.Array, ...]:
-    """Computes w, u (and optionally A) for every chunk.
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
+    """Computes w, u (and optionally A) for every chunk, and the bad values of the raw k, v.
 
     Args:
       k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero; non-finite
@@ -154,8 +182,10 @@ def intra_chunk(
       beta: [B, HV, T] f32 (padded rows zero).
       config: :class:`IntraConfig`.
     Returns:
-      w [B, T, HV, K] (fake-quantised with ``config.w_quant``), u [B, T, HV, V] in k.dtype, and
-      if ``config.store_a`` A [B, T, HV, 64].
+      ((w [B, T, HV, K] (fake-quantised with ``config.w_quant``), u [B, T, HV, V] in k.dtype,
+      and if ``config.store_a`` A [B, T, HV, 64]), (k_bad [B, HV, T] f32: 1.0 on the rows of k
+      (of each value head's k head) holding NaN or ±inf, else 0; v_first [B, HV, T/64, V] f32:
+      per chunk and value column the first row of v holding one, 64 where none does)).
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -167,9 +197,12 @@ def intra_chunk(
     ]
     if config.store_a:
         out_type.append(jax.ShapeDtypeStruct((B, T, HV, CHUNK), k.dtype))
+    out_type.append(jax.ShapeDtypeStruct((B, HV, T), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct((B, HV, T // CHUNK, V), jnp.float32))
 
     def body(*refs):
         _intra_body(*refs, group=HV // H, store_a=config.store_a, w_quant=config.w_quant)
 
     fn = per_chunk_kernel(body, tuple(out_type), chunks=T // CHUNK, HV=HV, B=B, name="gdn_intra")
-    return tuple(fn(k, v, g_cum, beta))
+    *products, k_bad, v_first = fn(k, v, g_cum, beta)
+    return tuple(products), (k_bad, v_first)

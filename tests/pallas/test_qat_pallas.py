@@ -203,7 +203,7 @@ def test_interpret_kernels_quantise_w_and_the_state_per_group():
     with pk.use_mode("interpret"):
         try:
             for sq, wq in (("column", "row"), ("matrix", "tile")):
-                w, u = intra_chunk(k, x["v"], G, beta, IntraConfig(w_quant=wq))
+                w, u = intra_chunk(k, x["v"], G, beta, IntraConfig(w_quant=wq))[0]
                 cfg = ChunkFwdConfig(scale=0.125, store_h=True, state_quant=sq)
                 h, _ = chunk_fwd(None, k, w, u, G, x["initial_state"], cfg)
                 w5 = w.reshape(B, T // 64, 64, HV, K)
@@ -213,7 +213,7 @@ def test_interpret_kernels_quantise_w_and_the_state_per_group():
                 assert _off_e4m3_grid(w5, w_axes[other_w]) > 4, wq
                 assert _off_e4m3_grid(h, s_axes[sq]) <= 1, sq
                 assert _off_e4m3_grid(h, s_axes[other_s]) > 4, sq
-            w, u = intra_chunk(k, x["v"], G, beta, IntraConfig())
+            w, u = intra_chunk(k, x["v"], G, beta, IntraConfig())[0]
             plain = dataclasses.replace(cfg, state_quant=None)
             h, _ = chunk_fwd(None, k, w, u, G, x["initial_state"], plain)
         finally:
