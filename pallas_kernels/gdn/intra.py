@@ -10,7 +10,9 @@ Per chunk of C = 64 rows (G = chunk-local cumulative log-decay, natural log):
 The inverse uses the doubling rule ``X ← X − X (O_s X)`` for s = 1, 2, …, 32, where O_s is L
 restricted to the lower-left s×s block of each 2s×2s diagonal block: every intermediate is a block
 of the true inverse, so magnitudes stay bounded (the product form (I−L)(I+L²)… is unstable).
-K Kᵀ, L and X are f32 in registers; only wgmma operands are 16-bit.
+K Kᵀ, L and X are f32 in registers; only wgmma operands are 16-bit. w and u are staged for their
+stores in k's and v's own tiles (their products are the last reads of k and v), so a CTA holds
+k, v, two [C, C] tiles and the gates: about 49 KB at K = V = 128 (16-bit io), four CTAs per SM.
 
 The kernel reads the op's raw k and v: it replaces their non-finite values by 0 as it loads them
 and flags them (the op's poison, :mod:`gdn_jax.ops._sanitize`): k's rows holding one (a row
@@ -71,7 +73,7 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: s
     K, V = k_g.shape[-1], v_g.shape[-1]
     dt = k_g.dtype
 
-    def scoped(k_s, v_s, g_s, be_s, x_s, oy_s, w_s, u_s, kf_s, vf_s, bar):
+    def scoped(k_s, v_s, g_s, be_s, x_s, oy_s, kf_s, vf_s, bar):
         plgpu.copy_gmem_to_smem(k_g.at[b, rows, hk, :], k_s, bar.at[0])
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, hv, :], v_s, bar.at[1])
         plgpu.copy_gmem_to_smem(g_g.at[b, hv, rows], g_s, bar.at[2])
@@ -79,18 +81,18 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: s
         for i in range(4):
             plgpu.barrier_wait(bar.at[i])
         # the op's raw k and v: non-finite values read as 0 (the sanitation's replacement) and
-        # flagged: k's bad rows, v's first bad row per column (its 0/1 tile in u's staging tile,
-        # U[r, s] = (r <= s) in the inverse's scratch, both free until then)
+        # flagged: k's bad rows, v's first bad row per column (its 0/1 tile in v's own tile
+        # while the raw values wait in registers, U[r, s] = (r <= s) in the inverse's scratch)
         k_raw = cp.load_tile(k_s).astype(jnp.float32)
         kf_s[...] = jnp.max(nonfinite(k_raw), axis=1)
         k_s[...] = finite(k_raw).astype(dt)
         v_raw = cp.load_tile(v_s).astype(jnp.float32)
-        u_s[...] = nonfinite(v_raw).astype(dt)
-        v_s[...] = finite(v_raw).astype(dt)
+        v_s[...] = nonfinite(v_raw).astype(dt)
         upper = cp.iota((C, C), 0) <= cp.iota((C, C), 1)
         oy_s[...] = jnp.where(upper, 1.0, 0.0).astype(dt)
         plgpu.commit_smem()
-        vf_s[...] = first_bad_rows(u_s, oy_s)
+        vf_s[...] = first_bad_rows(v_s, oy_s)
+        v_s[...] = finite(v_raw).astype(dt)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(kf_s, kbad_g.at[b, hv, rows])
         plgpu.copy_smem_to_gmem(vf_s, vfirst_g.at[b, hv, c, :])
@@ -137,16 +139,16 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: s
         w = cp.matmul(oy_s, k_s, (C, K))
         if w_quant is not None:  # QAT: quantised in f32 registers, then rounded like unquantised w
             w = fake_quant_e4m3(w, W_QUANT[w_quant])
-        w_s[...] = w.astype(dt)
+        k_s[...] = w.astype(dt)  # (k's last use was w's product: its tile stages w)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(w_s, w_g.at[b, rows, hv, :])
+        plgpu.copy_smem_to_gmem(k_s, w_g.at[b, rows, hv, :])
         if store_a:
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the A store has read x_s
         x_s[...] = (X * cp.bcast_cols(be_c, (C, C))).astype(dt)
         plgpu.commit_smem()
-        u_s[...] = cp.matmul(x_s, v_s, (C, V)).astype(dt)
+        v_s[...] = cp.matmul(x_s, v_s, (C, V)).astype(dt)  # (and v's stages u)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(u_s, u_g.at[b, rows, hv, :])
+        plgpu.copy_smem_to_gmem(v_s, u_g.at[b, rows, hv, :])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(
@@ -157,8 +159,6 @@ def _intra_body(k_g, v_g, g_g, b_g, *outs, group: int, store_a: bool, w_quant: s
         cp.smem((C,), jnp.float32),
         cp.smem((C, C), dt),
         cp.smem((C, C), dt),
-        cp.smem((C, K), dt),
-        cp.smem((C, V), dt),
         cp.smem((C,), jnp.float32, swizzled=False),  # k's bad rows
         cp.smem((V,), jnp.float32, swizzled=False),  # v's first bad row per column
         plgpu.Barrier(num_barriers=4),

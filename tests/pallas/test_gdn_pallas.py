@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from channel_cases import NAMES as ALL_NAMES
 from channel_cases import channel_case, check_channel_2x, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT, lowered_kernels
+from gdn_cases import RECURRENT, kernel_smem, lowered_kernels, smem_per_cta
 
 import gdn_jax
 from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas
@@ -230,6 +230,25 @@ def test_lowers_for_cuda(K, V, HV, dtype, l2norm):
         txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     found = lowered_kernels(txt, KERNELS)
     assert found == set(KERNELS), found
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_intra_fits_four_ctas_per_sm(dtype):
+    """The intra kernel (w and u staged in k's and v's tiles) lowers for sm_90a at K = V = 128 in
+    a quarter of an SM's shared memory, with A stored and without."""
+    from pallas_kernels.gdn.intra import IntraConfig, intra_chunk
+
+    S, dt = jax.ShapeDtypeStruct, jnp.dtype(dtype)
+    B, T, HV = 1, 128, 2
+    args = (S((B, T, HV, 128), dt), S((B, T, HV, 128), dt), S((B, HV, T), jnp.float32),
+            S((B, HV, T), jnp.float32))  # fmt: skip
+
+    def f(k, v, G, beta):
+        return [intra_chunk(k, v, G, beta, IntraConfig(store_a=a)) for a in (False, True)]
+
+    with pk.cuda_lowering_mesh(), kernel_smem() as smem:
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    assert 0 < smem["gdn_intra"] <= smem_per_cta(4), smem
 
 
 def _kernel_hashes(n_layers: int) -> list[str]:
