@@ -3,8 +3,8 @@
 Two kernels, each one CTA (one warpgroup) per (chunk, value head, batch row): ``chan_intra_wy``
 (:func:`_wy_body`) forms L → A → w, u (and A), ``chan_intra_qk`` (:func:`_qk_body`) Aqk, qg, kg.
 The two share nothing but G and k; as separate kernels each gets its own register allocation and
-shared-memory footprint (the qk kernel's fits three CTAs per SM, the wy kernel's two) instead of
-the larger of the two. Per chunk of C = 64 rows, with G the
+shared-memory footprint (each fits three CTAs per SM with bf16 io, two with f16) instead of the
+larger of the two. Per chunk of C = 64 rows, with G the
 chunk-local cumulative log-decay per key channel ([C, K], natural log, f32), b the erase gate and
 w_gate the write gate (KDA: b = w_gate = β per token), they compute the stages of
 :func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
@@ -31,8 +31,8 @@ dropped with ``where``, never multiplied by a mask. The column operand of all fo
 16 J + 15.
 
 Both kernels contract over K in 64-column passes (K/64 of them; w leaves in K/64 and u in V/64
-column blocks), so only [64, 64] f32 register tiles are live and a CTA needs under half an SM's
-shared memory: two CTAs share an SM. K, V ∈ {64, 128}.
+column blocks), so only [64, 64] f32 register tiles are live and a CTA needs under a third of an
+SM's shared memory with bf16 io (three CTAs share an SM), under half with f16. K, V ∈ {64, 128}.
 
 QAT (``w_quant``): w is fake-quantised to FP8-E4M3 in registers before it is stored
 (:func:`pallas_kernels.gdn.fake_quant.fake_quant_e4m3_tiles` over its K/64 column blocks: one
@@ -227,25 +227,24 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     register tile is at most [C, 64] f32 (32 registers a thread) and a pass's SMEM is released
     before the next one loads.
 
-    SMEM bytes at K = V = 128, 16-bit io (a buffer one variant lacks is a 32-byte placeholder
-    there; barriers 8 B each):
+    SMEM at K = V = 128, 16-bit io (a buffer one variant lacks is a small placeholder there):
 
-      always:    inverse scratch x, oy [C, C] 8192 each; w's right operand b ⊙ e^G ⊙ k
-                 2 × [C, 64] 16384; v (GDN2: vw) 2 × [C, 64] 16384 (prefetched); operand /
-                 output staging 2 × [C, 64] 16384; β 256 (KDA); 10 / 9 barriers
-                                                      GDN2 65 648 / KDA 65 864
-      L pass:    k [C, 64] 8192, G [C, 64] f32 16384, reference rows [4, 64] f32 1024,
-                 bk [C, 64] 8192 (GDN2)               GDN2 33 792 / KDA 25 632
+      always:    w's right operand b ⊙ e^G ⊙ k 2 × [C, 64]; bf16 io: L's row / column operands,
+                 then the output staging, 2 × [C, 64]; β (KDA); the barriers
+      L pass:    k [C, 64], G [C, 64] f32, reference rows [4, 64] f32, bk [C, 64] (GDN2)
+      tail:      v (GDN2: vw) 2 × [C, 64], loaded after the L passes (it overlaps the inverse
+                 and w); the inverse scratch x, oy [C, C]; v's first bad rows (KDA); f16 io:
+                 the output staging 2 × [C, 64]
 
-    Peak (always + L pass): 99 440 B (GDN2) / 91 496 B (KDA), under half an SM (228 KiB,
-    1 KiB reserved per CTA), so two CTAs share an SM (tests/pallas/test_channel_pallas.py::
-    test_lowers_for_cuda checks each kernel's count against its plan's budget).
+    Mosaic's count when lowering, bf16: 69 704 B (KDA) / 67 664 B (GDN2), within a third of an
+    SM, so three CTAs share an SM (tests/pallas/test_channel_pallas.py::test_lowers_for_cuda
+    checks each kernel's count against its plan's budget). KDA's v flags
+    (:func:`first_bad_rows`) take w's operand tiles once w's products are done (K = 64: the
+    second one is the inverse scratch, after A's store has read it).
 
-    f16 io: the L operands are tf32, two [C, 64] f32 tiles (32 768 B) in each pass's scope (the
-    f16 staging tiles cannot hold them). To stay under half an SM, the
-    inverse scratch x, oy and the output staging (32 768 B, used only after the L passes) are
-    allocated in the tail's scope instead of "always": peak = always (32 880 / 33 096) +
-    L pass (66 560 / 58 400).
+    f16 io: the L operands are tf32, two [C, 64] f32 tiles in each pass's scope (the f16 staging
+    tiles cannot hold them), so the output staging moves to the tail's scope: 76 872 B (KDA) /
+    84 048 B (GDN2), two CTAs per SM.
     """
     scalar = cfg.scalar_beta
     if scalar:
@@ -264,14 +263,10 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     fp = _Factored(dt)
     wide = fp.wide
 
-    def outer(x_o, oy_o, wop_s, v_s, st_o, be_s, bar):
-        """x_o, oy_o (inverse scratch), st_o (operand / output staging): None for f16 io,
-        where the tail allocates them (see :func:`late_tiles`)."""
+    def outer(wop_s, st_o, be_s, bar):
+        """st_o (operand / output staging): None for f16 io, where the tail allocates it (see
+        :func:`late_tiles`)."""
         bars = Bars(bar)
-        # v is needed only for u at the end: its load overlaps L and the inverse
-        v_ids = bars.load(
-            [(v_g.at[b, rows, hv, _cols(p)], v_s[p]) for p in range(vpass)], wait=False
-        )
         if scalar:
             bars.load([(be_g.at[b, hv, rows], be_s)])
 
@@ -316,28 +311,12 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         if scalar:
             L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
 
-        def u_tiles(put, oy_s, flag_tiles):
-            """u = A (w_gate ⊙ v), one V-half at a time. KDA (``flag_tiles``) reads the op's raw v:
-            non-finite values as 0, and per column the first row holding one goes to ``vfirst``
-            (:func:`first_bad_rows`)."""
-            for p in range(vpass):
-                if flag_tiles is not None:
-                    bad_s, upper_s, first_s = flag_tiles
-                    if p == 0:
-                        upper = cp.iota((C, C), 0) <= cp.iota((C, C), 1)
-                        upper_s[...] = jnp.where(upper, 1.0, 0.0).astype(jnp.bfloat16)
-                    raw = cp.load_tile(v_s[p]).astype(f32)
-                    bad_s[...] = nonfinite(raw).astype(jnp.bfloat16)
-                    # in place (each thread rewrites the elements it read)
-                    v_s[p][...] = finite(raw).astype(dt)
-                    plgpu.commit_smem()
-                    first_s.at[p][...] = first_bad_rows(bad_s, upper_s)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(first_s.at[p], vfirst_g.at[b, hv, c, _cols(p)])
-                put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
-
-        def tail(*own):
-            x_s, oy_s, st_s = own if wide else (x_o, oy_o, st_o)
+        def tail(v_s, x_s, oy_s, first_s, *own):
+            st_s = own[0] if wide else st_o
+            # v is needed only for u at the end: its load overlaps the inverse and w
+            v_ids = bars.load(
+                [(v_g.at[b, rows, hv, _cols(p)], v_s[p]) for p in range(vpass)], wait=False
+            )
             a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
             beta = be_s if scalar else None  # GDN2: be_s is an unused placeholder
             oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, beta, dt).astype(dt)
@@ -366,50 +345,56 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                 for p in range(kpass):
                     put(ws[p], w_g.at[b, rows, hv, _cols(p)])
             bars.wait(v_ids)
-            if scalar:
-                pl.run_scoped(
-                    lambda *flag_tiles: u_tiles(put, oy_s, flag_tiles),
-                    cp.smem((C, HALF), jnp.bfloat16),  # v's bad values (0 / 1)
-                    cp.smem((C, C), jnp.bfloat16),  # U[r, s] = (r <= s)
-                    cp.smem((vpass, HALF), f32, swizzled=False),  # first bad rows
-                )
-            else:
-                u_tiles(put, oy_s, None)
+            if scalar:  # w's products are done: its operand tiles take v's flags
+                if kpass == 1:  # (K = 64: U in the inverse scratch, once A's store has read it)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                v_flags(v_s, wop_s[0], wop_s[1] if kpass == 2 else x_s, first_s)
+            for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
+                put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
             plgpu.wait_smem_to_gmem(0)
 
-        if wide:
-            pl.run_scoped(tail, *late_tiles())
-        else:
-            tail()
+        pl.run_scoped(tail, *late_tiles())
+
+    def v_flags(v_s, bad_s, upper_s, first_s):
+        """KDA: per V-half, v's first bad row per column to ``v_first``
+        (:func:`pallas_kernels._tiles.first_bad_rows`, over 0/1 tiles in the io dtype, exact),
+        then v's non-finite values as 0, in place (each thread rewrites the elements it read)."""
+        upper = cp.iota((C, C), 0) <= cp.iota((C, C), 1)
+        upper_s[...] = jnp.where(upper, 1.0, 0.0).astype(dt)
+        for p in range(vpass):
+            raw = cp.load_tile(v_s[p]).astype(f32)
+            bad_s[...] = nonfinite(raw).astype(dt)
+            v_s[p][...] = finite(raw).astype(dt)
+            plgpu.commit_smem()
+            first_s.at[p][...] = first_bad_rows(bad_s, upper_s)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(first_s.at[p], vfirst_g.at[b, hv, c, _cols(p)])
 
     def late_tiles():
-        return (
-            cp.smem((C, C), dt),  # inverse scratch, then the A staging
-            cp.smem((C, C), dt),  # inverse scratch, then A (KDA: A diag(β)) for w, u
-            (fp.tile(), fp.tile()),  # bf16 io: row / column operands; then output staging
-        )
+        """The tiles used only after the L passes: v (GDN2: vw) per V-half, the inverse scratch
+        (then the A staging, and A (KDA: A diag(β)) for w and u), the first bad rows of v (KDA),
+        and for f16 io the output staging (bf16 io stages its outputs through the L passes'
+        operand tiles)."""
+        v_tiles = tuple(fp.tile() for _ in range(vpass))
+        first = cp.smem((vpass, HALF) if scalar else (8,), f32, swizzled=False)
+        tiles = (v_tiles, cp.smem((C, C), dt), cp.smem((C, C), dt), first)
+        return tiles + (((fp.tile(), fp.tile()),) if wide else ())
 
-    x_spec, oy_spec, st_spec = late_tiles()
     wop_spec = tuple(fp.tile() for _ in range(kpass))  # w's right operand, per K-half
-    v_spec = tuple(fp.tile() for _ in range(vpass))  # v (GDN2: vw), per V-half
+    st_spec = (fp.tile(), fp.tile())  # bf16 io: L's row / column operands; then output staging
     be_spec = cp.smem((C,) if scalar else (8,), f32)  # β (KDA)
     # one barrier per load: v per V-half, β (KDA), and per K-half pass k, G, the reference rows
     # (and bk)
     n_bar = vpass + 1 + 3 * kpass if scalar else vpass + 4 * kpass
     bar_spec = plgpu.Barrier(num_barriers=n_bar)
     if wide:
-        # f16 io: the tiles used only after the L passes (inverse scratch, output staging)
-        # live in the tail's scope, the alternative to the passes' f32 operand tiles, so the
-        # CTA stays under half an SM
+        # f16 io: the output staging lives in the tail's scope too, the alternative to the
+        # passes' f32 operand tiles
         pl.run_scoped(
-            lambda wop_s, v_s, be_s, bar: outer(None, None, wop_s, v_s, None, be_s, bar),
-            wop_spec,
-            v_spec,
-            be_spec,
-            bar_spec,
+            lambda wop_s, be_s, bar: outer(wop_s, None, be_s, bar), wop_spec, be_spec, bar_spec
         )
     else:
-        pl.run_scoped(outer, x_spec, oy_spec, wop_spec, v_spec, st_spec, be_spec, bar_spec)
+        pl.run_scoped(outer, wop_spec, st_spec, be_spec, bar_spec)
 
 
 def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, group: int):

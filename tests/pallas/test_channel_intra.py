@@ -127,15 +127,16 @@ def test_interpret_without_a():
     run_interpreted(run)
 
 
-@pytest.mark.parametrize("variant", ["kda", "gdn2"])
-def test_interpret_flags_bad_values(variant):
+@pytest.mark.parametrize("variant,K", [("kda", 128), ("gdn2", 128), ("kda", 64)])
+def test_interpret_flags_bad_values(variant, K):
     """Non-finite values in the raw q, k, v (GVA: one q/k head, two value heads; two chunks; K =
-    128, two 64-column passes): the products equal those of the inputs with them as 0, and the
-    flags mark q's and k's rows and (KDA) v's first bad row per chunk and column."""
-    q, k, v, G, b, w = _inputs(5, variant, 128, 1, 2, 128)
-    q = q.at[0, 7, 0, 100].set(jnp.nan).at[0, 70, 0, 3].set(-jnp.inf)
-    k = k.at[0, 64, 0, 127].set(jnp.inf)
-    v = v.at[0, 30, 1, 5].set(jnp.nan).at[0, 20, 1, 5].set(jnp.inf).at[0, 127, 0, 127].set(jnp.nan)
+    128: two 64-column passes, K = 64: one): the products equal those of the inputs with them as
+    0, and the flags mark q's and k's rows and (KDA) v's first bad row per chunk and column."""
+    q, k, v, G, b, w = _inputs(5, variant, 128, 1, 2, K)
+    q = q.at[0, 7, 0, K - 28].set(jnp.nan).at[0, 70, 0, 3].set(-jnp.inf)
+    k = k.at[0, 64, 0, K - 1].set(jnp.inf)
+    v = v.at[0, 30, 1, 5].set(jnp.nan).at[0, 20, 1, 5].set(jnp.inf)
+    v = v.at[0, 127, 0, K - 1].set(jnp.nan)
     raw = (q, k, v, G, b, w)
     clean = tuple(
         x if i > 2 or x is None else jnp.where(jnp.isfinite(x), x, 0).astype(x.dtype)
@@ -162,8 +163,8 @@ def test_interpret_flags_bad_values(variant):
     if variant == "gdn2":
         assert flags.v_first is None
         return
-    v_first = np.full((1, 2, 2, 128), 64.0, np.float32)
-    v_first[0, 1, 0, 5], v_first[0, 0, 1, 127] = 20, 63
+    v_first = np.full((1, 2, 2, K), 64.0, np.float32)
+    v_first[0, 1, 0, 5], v_first[0, 0, 1, K - 1] = 20, 63
     np.testing.assert_array_equal(np.asarray(flags.v_first), v_first)
 
 

@@ -80,9 +80,10 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
 def planned_ctas(name: str, plan, dtype) -> int:
     """CTAs per SM that kernel ``name`` is sized for under ``plan``
     (:mod:`pallas_kernels.channel.plan`): two for the intra kernels, the gate cumsum and the
-    K-split / phased backward forms, three for bf16's qk kernel (the reason it is a kernel of its
-    own); one for the state loops and the one-CTA backward forms."""
-    if name == "chan_intra_qk" and jnp.dtype(dtype) == jnp.bfloat16:
+    K-split / phased backward forms, three for bf16's intra kernels (the reason they are two
+    kernels, and the wy kernel loads v only after its L passes); one for the state loops and the
+    one-CTA backward forms."""
+    if name in ("chan_intra_qk", "chan_intra_wy") and jnp.dtype(dtype) == jnp.bfloat16:
         return 3
     if name in ("chan_intra_wy", "chan_intra_qk", "gate_cumsum", "gate_cumsum_rev"):
         return 2
@@ -143,8 +144,6 @@ def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
     plan = channel_plan(bf, K, V, scalar_beta=variant == "kda", store_a=True)
     over = {n: b for n, b in smem.items() if b > smem_per_cta(planned_ctas(n, plan, bf))}
     assert not over, (over, plan)
-    if bf == jnp.bfloat16 and K == 128:  # the wy kernel could not share an SM three ways
-        assert smem["chan_intra_wy"] > smem_per_cta(3), smem
 
 
 # ------------------------------------------------------------------------------------------------
