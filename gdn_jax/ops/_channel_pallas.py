@@ -52,6 +52,8 @@ and the states have one row per sequence, ``S`` of them:
     h0   : [N, HV, K, V]   f32 initial state ([S, HV, K, V] with meta)
     meta : None, or [Tp/64, META_COLS] int32, the chunk loops' table (column 0: the sequence
            whose first chunk this is, column 1: whose last chunk, else -1); not differentiated
+    lanes: None, or the op's poison inputs besides the kernels' flags
+           (:class:`~gdn_jax.ops._pallas_common.LaneFlags`); not differentiated
   → (o [N, Tp, HV, V] io dtype, final state [N, HV, K, V] f32 ([S, HV, K, V] with meta; rows
     of empty sequences are not written, the glue puts h0 there))
 
@@ -244,7 +246,7 @@ def _xla_core(cfg: ChannelConfig, q, k, v, G, b, w, h0):
 @functools.partial(jax.jit, static_argnums=0)
 def _backward(cfg: ChannelConfig, res: tuple, cts: tuple) -> tuple:
     """Gradients of the core: ``(dq, dk, dv, dG, db, dw, dh0, None, None)`` (its inputs; none for
-    the table ``meta`` and the poison).
+    the table ``meta`` and the flags ``lanes``).
 
     The Mosaic GPU backward (:func:`gdn_jax.ops._channel_pallas_bwd.channel_backward_pallas`):
     recompute h, v_new with the forward's state kernel, then the reverse state-gradient loop,

@@ -45,6 +45,7 @@ MIN_CTAS = 2 * 132  # at least two CTAs per SM of an H200, where the shape allow
 # next one is loading and the previous one is being stored
 SLOTS = 3
 f32 = jnp.float32
+ROW = plgpu.Layout.WG_STRIDED((COLS,), vec_size=1)  # a tile row: each thread one column
 
 
 def check(g) -> None:
@@ -123,14 +124,23 @@ def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
         def walk(*vec_s):
             def step(idx, x_s):
                 # each thread reads and overwrites its own column: the sums replace the tile
-                acc = bad = None
+                if floor is not None:
+                    # NaN and +inf fail the comparison. The column's first such row is the
+                    # number of rows before it: a running count of the rows still clean (a
+                    # rolled loop, read before the sums overwrite the tile)
+                    def count(r, carry):
+                        clean, n = carry
+                        clean = clean * (plgpu.load(x_s, r, layout=ROW) < jnp.inf).astype(f32)
+                        return clean, n + clean
+
+                    zero = plgpu.layout_cast(jnp.zeros((COLS,), f32), ROW)
+                    bad_row = lax.fori_loop(0, CHUNK, count, (zero + 1.0, zero))[1]
+                acc = None
                 for r in rows:
-                    v = x_s[r]
-                    if floor is not None:
-                        # NaN and +inf fail the comparison: the column's first such row
-                        at_r = jnp.where(v < jnp.inf, float(CHUNK), float(r))
-                        bad = at_r if bad is None else jnp.minimum(bad, at_r)
-                        # NaN > floor is false: NaN and −inf give the floor
+                    # (the raw form names the rows' layout: Mosaic's layout inference searched
+                    # for over 10 s to lower it with the flags' loop)
+                    v = x_s[r] if floor is None else plgpu.load(x_s, r, layout=ROW)
+                    if floor is not None:  # NaN > floor is false: NaN and −inf give the floor
                         v = jnp.where(v > floor, jnp.minimum(v, 0.0), floor)
                     acc = v if acc is None else acc + v
                     x_s[r] = acc
@@ -140,7 +150,7 @@ def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
                 plgpu.copy_smem_to_gmem(x_s, y_g.at[pl.ds(rb * CHUNK, CHUNK), cols])
                 if floor is not None:
                     row = vec_s[0].at[lax.rem(idx[0], 2)]
-                    row[...] = bad
+                    row[...] = bad_row
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(row, first_g[0].at[rb, cols])
                 # the pipeline refills the previous step's slot (delay_release=1) once this step
