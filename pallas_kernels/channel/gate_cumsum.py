@@ -130,7 +130,7 @@ def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
                     # rolled loop, read before the sums overwrite the tile)
                     def count(r, carry):
                         clean, n = carry
-                        clean = clean * (plgpu.load(x_s, r, layout=ROW) < jnp.inf).astype(f32)
+                        clean = clean * (plgpu.load(x_s.at[r], layout=ROW) < jnp.inf).astype(f32)
                         return clean, n + clean
 
                     zero = plgpu.layout_cast(jnp.zeros((COLS,), f32), ROW)
@@ -139,7 +139,7 @@ def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
                 for r in rows:
                     # (the raw form names the rows' layout: Mosaic's layout inference searched
                     # for over 10 s to lower it with the flags' loop)
-                    v = x_s[r] if floor is None else plgpu.load(x_s, r, layout=ROW)
+                    v = x_s[r] if floor is None else plgpu.load(x_s.at[r], layout=ROW)
                     if floor is not None:  # NaN > floor is false: NaN and −inf give the floor
                         v = jnp.where(v > floor, jnp.minimum(v, 0.0), floor)
                     acc = v if acc is None else acc + v
