@@ -137,8 +137,8 @@ def _chunk_cumsum(g, *, reverse, floor=None, per, slots=SLOTS):
                     bad_row = lax.fori_loop(0, CHUNK, count, (zero + 1.0, zero))[1]
                 acc = None
                 for r in rows:
-                    # (the raw form names the rows' layout: Mosaic's layout inference searched
-                    # for over 10 s to lower it with the flags' loop)
+                    # (the raw form names the rows' layout: left to Mosaic's layout inference,
+                    # the flag loop's ops make its search the bulk of the kernel's lowering)
                     v = x_s[r] if floor is None else plgpu.load(x_s.at[r], layout=ROW)
                     if floor is not None:  # NaN > floor is false: NaN and −inf give the floor
                         v = jnp.where(v > floor, jnp.minimum(v, 0.0), floor)
