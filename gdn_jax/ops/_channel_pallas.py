@@ -86,10 +86,11 @@ import jax.numpy as jnp
 
 from gdn_jax import remat
 from gdn_jax.ops import _xla
-from gdn_jax.ops._gate_cumsum import clamped_log_decay, first_bad_rows, lane_gate_cumsum
+from gdn_jax.ops._gate_cumsum import clamped_log_decay, lane_gate_cumsum
 from gdn_jax.ops._pallas_common import (
     CoreConfig,
     LaneFlags,
+    chunk_first_rows,
     from_one_lane,
     from_padded_lanes,
     lane_poison,
@@ -384,7 +385,7 @@ def channel_pallas(
         chunk_seq = layout.seq[0]
         if initial_state is None and not output_final_state:  # the state wiped at each start
             # (the raw g's bad rows first: the clamp hides them from the cumsum kernel)
-            g_first = first_bad_rows(jnp.any(~(xp[3] < jnp.inf), axis=-1)).transpose(0, 2, 1)
+            g_first = chunk_first_rows(jnp.any(~(xp[3] < jnp.inf), axis=-1), 1).transpose(0, 2, 1)
             xp[3] = wipe_first_tokens(clamped_log_decay(xp[3], MIN_LOG_DECAY), layout)
             floor = None
             h0 = jnp.zeros((1, HV, K, V), f32)

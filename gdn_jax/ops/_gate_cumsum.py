@@ -18,13 +18,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.ops._pallas_common import chunk_first_rows
 from gdn_jax.ops._sanitize import log_decay
 from gdn_jax.reference.chunked import gate_cumsum
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK
 from pallas_kernels.channel import gate_cumsum as kernel
 
-__all__ = ["clamped_log_decay", "first_bad_rows", "lane_gate_cumsum", "kernel_serves"]
+__all__ = ["clamped_log_decay", "lane_gate_cumsum", "kernel_serves"]
 
 
 def kernel_serves(g: jax.Array) -> bool:
@@ -67,15 +68,6 @@ def _kernel_cumsum_bwd(floor, g, cts):
 _kernel_cumsum.defvjp(_kernel_cumsum_fwd, _kernel_cumsum_bwd)
 
 
-def first_bad_rows(bad: jax.Array) -> jax.Array:
-    """Per 64-row chunk, the first row where ``bad`` [N, Tp, ...] (bool) holds: [N, Tp/64, ...]
-    f32 in [0, 64], 64 where no row of the chunk does."""
-    N, Tp = bad.shape[:2]
-    r = jnp.arange(CHUNK, dtype=jnp.float32).reshape((1, 1, CHUNK) + (1,) * (bad.ndim - 2))
-    at = jnp.where(bad.reshape((N, Tp // CHUNK, CHUNK) + bad.shape[2:]), r, float(CHUNK))
-    return jnp.min(at, axis=2)
-
-
 def lane_gate_cumsum(g: jax.Array, floor: float | None = None):
     """Chunk-local inclusive cumsum over the row axis of padded lanes, differentiable.
 
@@ -104,4 +96,4 @@ def lane_gate_cumsum(g: jax.Array, floor: float | None = None):
         g = clamped_log_decay(g, floor)
     N, Tp = g.shape[:2]
     G = gate_cumsum(g.reshape((N, Tp // CHUNK, CHUNK) + g.shape[2:])).reshape(g.shape)
-    return G if bad is None else (G, first_bad_rows(bad).transpose(0, 2, 1))
+    return G if bad is None else (G, chunk_first_rows(bad, 1).transpose(0, 2, 1))

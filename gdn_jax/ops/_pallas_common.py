@@ -27,6 +27,7 @@ from pallas_kernels._tiles import CHUNK, META_COLS
 __all__ = [
     "CoreConfig",
     "LaneFlags",
+    "chunk_first_rows",
     "WIPE_LOG_DECAY",
     "from_one_lane",
     "from_padded_lanes",
@@ -264,12 +265,13 @@ class LaneFlags(NamedTuple):
         )
 
 
-def _row_first(rows: jax.Array) -> jax.Array:
-    """Per 64-row chunk, the first row where ``rows`` [L, HV, Tp] (f32 flags) is non-zero:
-    [L, HV, Tp/64] f32, 64 where none is."""
-    L, HV, Tp = rows.shape
-    r = jnp.arange(CHUNK, dtype=f32)
-    return jnp.min(jnp.where(rows.reshape(L, HV, Tp // CHUNK, CHUNK) != 0, r, CHUNK), axis=-1)
+def chunk_first_rows(flags: jax.Array, axis: int) -> jax.Array:
+    """Per 64-row chunk of ``axis`` (a multiple of 64 long), the first row where ``flags`` (bool
+    or numbers) is non-zero: f32 in [0, 64], 64 where none is; that axis becomes the chunks'."""
+    n = flags.shape[axis]
+    shape = flags.shape[:axis] + (n // CHUNK, CHUNK) + flags.shape[axis + 1 :]
+    r = jnp.arange(CHUNK, dtype=f32).reshape((CHUNK,) + (1,) * (flags.ndim - axis - 1))
+    return jnp.min(jnp.where(flags.reshape(shape) != 0, r, CHUNK), axis=axis + 1)
 
 
 def loop_poison(k_bad, v_first, lanes: LaneFlags | None, meta, V: int):
@@ -286,7 +288,7 @@ def loop_poison(k_bad, v_first, lanes: LaneFlags | None, meta, V: int):
       (nan_from [L, HV, nc, V] f32, end [L or nc, HV, 1 or V] bool: the final states poisoned,
       the lanes' or, with ``meta``, the sequences' (the first N of nc rows)).
     """
-    head = _row_first(k_bad)
+    head = chunk_first_rows(k_bad, 2)
     if lanes is not None and lanes.g_first is not None:
         head = jnp.minimum(head, lanes.g_first)
     first = head[..., None]  # [L, HV, nc, 1]
