@@ -227,7 +227,8 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     register tile is at most [C, 64] f32 (32 registers a thread) and a pass's SMEM is released
     before the next one loads.
 
-    SMEM at K = V = 128, 16-bit io (a buffer one variant lacks is a small placeholder there):
+    SMEM at K = V = 128, 16-bit io (a buffer one variant lacks is not allocated there: Mosaic
+    GPU rounds every allocation up to 1 KiB):
 
       always:    w's right operand b ⊙ e^G ⊙ k 2 × [C, 64]; bf16 io: L's row / column operands,
                  then the output staging, 2 × [C, 64]; β (KDA); the barriers
@@ -236,15 +237,15 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                  and w); the inverse scratch x, oy [C, C]; v's first bad rows (KDA); f16 io:
                  the output staging 2 × [C, 64]
 
-    Mosaic's count when lowering, bf16: 69 704 B (KDA) / 67 664 B (GDN2), within a third of an
+    Mosaic's count when lowering, bf16: 69 704 B (KDA) / 66 640 B (GDN2), within a third of an
     SM, so three CTAs share an SM (tests/pallas/test_channel_pallas.py::test_lowers_for_cuda
     checks each kernel's count against its plan's budget). KDA's v flags
     (:func:`first_bad_rows`) take w's operand tiles once w's products are done (K = 64: the
     second one is the inverse scratch, after A's store has read it).
 
     f16 io: the L operands are tf32, two [C, 64] f32 tiles in each pass's scope (the f16 staging
-    tiles cannot hold them), so the output staging moves to the tail's scope: 76 872 B (KDA) /
-    84 048 B (GDN2), two CTAs per SM.
+    tiles cannot hold them), so the output staging moves to the tail's scope: 75 848 B (KDA),
+    three CTAs per SM; 83 024 B (GDN2, whose pass also holds bk), two.
     """
     scalar = cfg.scalar_beta
     if scalar:
@@ -270,7 +271,8 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         if scalar:
             bars.load([(be_g.at[b, hv, rows], be_s)])
 
-        def l_pass(p, L, k_s, g_s, gr_s, bk_s, *ops):
+        def l_pass(p, L, k_s, g_s, gr_s, *rest):
+            bk_s, ops = (None, rest) if scalar else (rest[0], rest[1:])
             srcs = [
                 (k_g.at[b, rows, hk, _cols(p)], k_s),
                 (G_g.at[b, rows, hv, _cols(p)], g_s),
@@ -301,7 +303,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
             fp.tile(),  # k
             fp.tile(f32),  # G
             cp.smem((NSUB, HALF), f32, swizzled=False),  # reference rows
-            cp.smem((8,), f32) if scalar else fp.tile(),  # bk (GDN2)
+            *(() if scalar else (fp.tile(),)),  # bk (GDN2)
             *fp.wide_tiles(),
         )
         row = cp.iota((C, C), 0)
@@ -318,8 +320,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                 [(v_g.at[b, rows, hv, _cols(p)], v_s[p]) for p in range(vpass)], wait=False
             )
             a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
-            beta = be_s if scalar else None  # GDN2: be_s is an unused placeholder
-            oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, beta, dt).astype(dt)
+            oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt).astype(dt)
             plgpu.commit_smem()
 
             n_out = [0]
@@ -376,13 +377,13 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         and for f16 io the output staging (bf16 io stages its outputs through the L passes'
         operand tiles)."""
         v_tiles = tuple(fp.tile() for _ in range(vpass))
-        first = cp.smem((vpass, HALF) if scalar else (8,), f32, swizzled=False)
+        first = cp.smem((vpass, HALF), f32, swizzled=False) if scalar else None
         tiles = (v_tiles, cp.smem((C, C), dt), cp.smem((C, C), dt), first)
         return tiles + (((fp.tile(), fp.tile()),) if wide else ())
 
     wop_spec = tuple(fp.tile() for _ in range(kpass))  # w's right operand, per K-half
     st_spec = (fp.tile(), fp.tile())  # bf16 io: L's row / column operands; then output staging
-    be_spec = cp.smem((C,) if scalar else (8,), f32)  # β (KDA)
+    be_spec = cp.smem((C,), f32) if scalar else None  # β (KDA)
     # one barrier per load: v per V-half, β (KDA), and per K-half pass k, G, the reference rows
     # (and bk)
     n_bar = vpass + 1 + 3 * kpass if scalar else vpass + 4 * kpass

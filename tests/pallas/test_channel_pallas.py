@@ -81,9 +81,10 @@ def planned_ctas(name: str, plan, dtype) -> int:
     """CTAs per SM that kernel ``name`` is sized for under ``plan``
     (:mod:`pallas_kernels.channel.plan`): two for the intra kernels, the gate cumsum and the
     K-split / phased backward forms, three for bf16's intra kernels (the reason they are two
-    kernels, and the wy kernel loads v only after its L passes); one for the state loops and the
-    one-CTA backward forms."""
-    if name in ("chan_intra_qk", "chan_intra_wy") and jnp.dtype(dtype) == jnp.bfloat16:
+    kernels, and the wy kernel loads v only after its L passes) and KDA's f16 wy kernel; one for
+    the state loops and the one-CTA backward forms."""
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    if name == "chan_intra_qk" and bf16 or name == "chan_intra_wy" and (bf16 or plan.scalar_beta):
         return 3
     if name in ("chan_intra_wy", "chan_intra_qk", "gate_cumsum", "gate_cumsum_rev"):
         return 2
