@@ -3,10 +3,11 @@
 Two kernels, each one CTA (one warpgroup) per (chunk, value head, batch row): ``chan_intra_wy``
 (:func:`_wy_body`) forms L → A → w, u (and A), ``chan_intra_qk`` (:func:`_qk_body`) Aqk, qg, kg.
 The two share nothing but G and k; as separate kernels each gets its own register allocation and
-shared-memory footprint (each fits three CTAs per SM with bf16 io, two with f16) instead of the
-larger of the two. Per chunk of C = 64 rows, with G the
-chunk-local cumulative log-decay per key channel ([C, K], natural log, f32), b the erase gate and
-w_gate the write gate (KDA: b = w_gate = β per token), they compute the stages of
+shared-memory footprint instead of the larger of the two: with bf16 io four qk and three wy
+CTAs fit on an SM; with f16, three qk and three (KDA) or two (GDN2) wy CTAs. Per chunk of
+C = 64 rows, with G the chunk-local cumulative log-decay per key channel ([C, K], natural log,
+f32), b the erase gate and w_gate the write gate (KDA: b = w_gate = β per token), they compute
+the stages of
 :func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
 
     L_ij   = Σ_d b_id k_id k_jd e^{G_id − G_jd}   (i > j)          [C, C] f32
@@ -31,8 +32,8 @@ dropped with ``where``, never multiplied by a mask. The column operand of all fo
 16 J + 15.
 
 Both kernels contract over K in 64-column passes (K/64 of them; w leaves in K/64 and u in V/64
-column blocks), so only [64, 64] f32 register tiles are live and a CTA needs under a third of an
-SM's shared memory with bf16 io (three CTAs share an SM), under half with f16. K, V ∈ {64, 128}.
+column blocks), so only [64, 64] f32 register tiles are live and a CTA needs at most a third of
+an SM's shared memory (GDN2's f16 wy kernel: under half). K, V ∈ {64, 128}.
 
 QAT (``w_quant``): w is fake-quantised to FP8-E4M3 in registers before it is stored
 (:func:`pallas_kernels.gdn.fake_quant.fake_quant_e4m3_tiles` over its K/64 column blocks: one
@@ -150,11 +151,15 @@ class _Factored:
         """One [C, 64] scratch tile (16-bit operand by default)."""
         return cp.smem((CHUNK, HALF), self.dt if dtype is None else dtype)
 
+    def operand_tiles(self) -> tuple:
+        """The (row, column) operand tiles of :meth:`pass_products`: [C, 64] in the io dtype
+        for bf16 io, f32 for f16 io."""
+        return (self.tile(f32), self.tile(f32)) if self.wide else (self.tile(), self.tile())
+
     def wide_tiles(self) -> tuple:
-        """The (row, column) f32 operand tiles of f16 io; none for bf16 io."""
-        if not self.wide:
-            return ()
-        return (self.tile(f32), self.tile(f32))
+        """The (row, column) f32 operand tiles of f16 io; none for bf16 io (whose operands the
+        wy kernel stages in its output tiles)."""
+        return self.operand_tiles() if self.wide else ()
 
     def stage(self, s, val):
         """Stages the factored operand ``val`` ([C, 64] f32) into the tile ``s``: in bf16 for
@@ -404,19 +409,22 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
     products make anyway: a row reduction of each tile in registers): ``qnan`` NaN on q's, else 0
     (as the chunk loop adds it to o), ``kbad`` 1.0 on k's, else 0.
 
-    Aqk is contracted over K in K/64 passes of 64 columns, as L in :func:`_wy_body`; qg and kg
-    leave per pass.
+    Aqk is contracted over K in K/64 passes of 64 columns, as L in :func:`_wy_body`. Once a
+    pass's products have read q and k, qg = q e^{G} and kg = k e^{G_last − G} overwrite them in
+    their own tiles (each thread rewrites the elements it loaded, all in the WGMMA layout) and
+    leave from there; the pass ends when those stores have read the tiles. Aqk is staged in the
+    passes' memory after the last one.
 
-    SMEM bytes at K = 128, 16-bit io (barriers 8 B each):
+    SMEM bytes at K = 128 (Mosaic GPU rounds every allocation up to 1 KiB; barriers 8 B each):
 
-      always:    operand / Aqk staging 2 × [C, 64] 16384; qg/kg staging 2 × [C, 64]
-                 16384; flag rows 2 × [C] f32 512; 10 barriers
-                                                      33 360
-      pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 256
-                                                      34 048
+      always:    flag rows [2, C] f32 1024; 10 barriers
+      pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 1024; the
+                 factored row / column operands 2 × [C, 64]: bf16 io 16384, f16 io f32 (tf32)
+                 32768
+      then:      Aqk staging [C, C] 8192
 
-    Peak 67 408 B (bf16), so three CTAs share an SM; f16 io adds the pass's two f32 (tf32)
-    operand tiles (32 768 B): 100 176 B, two CTAs per SM.
+    With the row reductions' scratch, Mosaic's count is 54 352 B with bf16 io, so four CTAs
+    share an SM, and 70 736 B with f16 io, three.
     """
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
@@ -424,10 +432,10 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
     dt = k_g.dtype
     fp = _Factored(dt)
 
-    def outer(st_s, out_s, flag_s, bar):
+    def outer(flag_s, bar):
         bars = Bars(bar)
 
-        def p_pass(p, acc, q_s, k_s, g_s, gr_s, gl_s, *ops):
+        def p_pass(p, acc, q_s, k_s, g_s, gr_s, gl_s, row_s, col_s):
             P, flags = (None, None) if acc is None else acc
             bars.load(
                 [
@@ -458,46 +466,44 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
             bad = [jnp.max(nonfinite(cp.load_tile(x).astype(f32)), axis=1) for x in (q_s, k_s)]
             if flags is not None:
                 bad = [jnp.maximum(a, f) for a, f in zip(bad, flags, strict=True)]
-            # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1) first: their stores overlap
-            # the products
-            if p:  # the previous pass's stores must have read the staging tiles
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_s[0][...] = (q_f32() * ex2_exp(dec.G())).astype(dt)
-            e_last = ex2_exp(dec.bref(NSUB) - dec.G())  # e^{G_last − G} ≤ 1
-            out_s[1][...] = (k_f32() * e_last).astype(dt)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s[0], qg_g.at[b, rows, hv, _cols(p)])
-            plgpu.copy_smem_to_gmem(out_s[1], kg_g.at[b, rows, hv, _cols(p)])
-            row_s, col_s = ops if fp.wide else st_s
             P = fp.pass_products(dec, q_f32(), row_s, col_s, k_f32, P)
-            plgpu.commit_smem()  # barrier: the next pass's loads overwrite this scope
+            # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1), in place
+            q_s[...] = (q_f32() * ex2_exp(dec.G())).astype(dt)
+            k_s[...] = (k_f32() * ex2_exp(dec.bref(NSUB) - dec.G())).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s, qg_g.at[b, rows, hv, _cols(p)])
+            plgpu.copy_smem_to_gmem(k_s, kg_g.at[b, rows, hv, _cols(p)])
+            # the next pass's loads, or Aqk's staging, take this memory
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return P, bad
 
         P, (q_bad, k_bad) = accumulate_passes(
             p_pass,
             kpass,
-            fp.tile(),  # q
-            fp.tile(),  # k
+            fp.tile(),  # q, then qg
+            fp.tile(),  # k, then kg
             *decay_smem(C, HALF),  # G, reference rows, G_last
-            *fp.wide_tiles(),
+            *fp.operand_tiles(),  # the factored row / column operands
         )
-        flag_s[0][...] = jnp.where(q_bad > 0.0, jnp.nan, 0.0)
-        flag_s[1][...] = k_bad
+        flag_s.at[0][...] = jnp.where(q_bad > 0.0, jnp.nan, 0.0)
+        flag_s.at[1][...] = k_bad
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
-        P = jnp.concatenate(P, axis=1)
-        st_s[0][...] = jnp.where(row >= col, P, 0.0).astype(dt)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(flag_s[0], qnan_g.at[b, hv, rows])
-        plgpu.copy_smem_to_gmem(flag_s[1], kbad_g.at[b, hv, rows])
-        plgpu.copy_smem_to_gmem(st_s[0], aqk_g.at[b, rows, hv, :])
-        plgpu.wait_smem_to_gmem(0)
+        P = jnp.where(row >= col, jnp.concatenate(P, axis=1), 0.0)
+
+        def store_aqk(st_s):
+            st_s[...] = P.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(flag_s.at[0], qnan_g.at[b, hv, rows])
+            plgpu.copy_smem_to_gmem(flag_s.at[1], kbad_g.at[b, hv, rows])
+            plgpu.copy_smem_to_gmem(st_s, aqk_g.at[b, rows, hv, :])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store_aqk, cp.smem((C, C), dt))
 
     pl.run_scoped(
         outer,
-        (fp.tile(), fp.tile()),  # row / column operands, then the Aqk staging
-        (fp.tile(), fp.tile()),  # qg, kg staging
-        (cp.smem((C,), f32, swizzled=False), cp.smem((C,), f32, swizzled=False)),  # flag rows
+        cp.smem((2, C), f32, swizzled=False),  # flag rows: q's NaN, k's bad rows
         plgpu.Barrier(num_barriers=5 * kpass),
     )
 

@@ -79,14 +79,17 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
 
 def planned_ctas(name: str, plan, dtype) -> int:
     """CTAs per SM that kernel ``name`` is sized for under ``plan``
-    (:mod:`pallas_kernels.channel.plan`): two for the intra kernels, the gate cumsum and the
-    K-split / phased backward forms, three for bf16's intra kernels (the reason they are two
-    kernels, and the wy kernel loads v only after its L passes) and KDA's f16 wy kernel; one for
-    the state loops and the one-CTA backward forms."""
+    (:mod:`pallas_kernels.channel.plan`): for the intra kernels (the reason they are two
+    kernels), qk four with bf16 io and three with f16 (qg and kg leave through q's and k's
+    tiles), wy three with bf16 io and for KDA's f16 (it loads v only after its L passes), two for
+    GDN2's f16; two for the gate cumsum and the K-split / phased backward forms; one for the
+    state loops and the one-CTA backward forms."""
     bf16 = jnp.dtype(dtype) == jnp.bfloat16
-    if name == "chan_intra_qk" and bf16 or name == "chan_intra_wy" and (bf16 or plan.scalar_beta):
-        return 3
-    if name in ("chan_intra_wy", "chan_intra_qk", "gate_cumsum", "gate_cumsum_rev"):
+    if name == "chan_intra_qk":
+        return 4 if bf16 else 3
+    if name == "chan_intra_wy":
+        return 3 if bf16 or plan.scalar_beta else 2
+    if name in ("gate_cumsum", "gate_cumsum_rev"):
         return 2
     if name == "chan_bwd_dqkw":
         return 1 if plan.dqkw == "one_cta" else 2
