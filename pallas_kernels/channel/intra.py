@@ -7,8 +7,7 @@ shared-memory footprint instead of the larger of the two: with bf16 io four qk a
 CTAs fit on an SM; with f16, three qk and three (KDA) or two (GDN2) wy CTAs. Per chunk of
 C = 64 rows, with G the chunk-local cumulative log-decay per key channel ([C, K], natural log,
 f32), b the erase gate and w_gate the write gate (KDA: b = w_gate = β per token), they compute
-the stages of
-:func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
+the stages of :func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
 
     L_ij   = Σ_d b_id k_id k_jd e^{G_id − G_jd}   (i > j)          [C, C] f32
     A      = (I + L)⁻¹                     block-doubling inverse
