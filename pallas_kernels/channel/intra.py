@@ -155,11 +155,6 @@ class _Factored:
         for bf16 io, f32 for f16 io."""
         return (self.tile(f32), self.tile(f32)) if self.wide else (self.tile(), self.tile())
 
-    def wide_tiles(self) -> tuple:
-        """The (row, column) f32 operand tiles of f16 io; none for bf16 io (whose operands the
-        wy kernel stages in its output tiles)."""
-        return self.operand_tiles() if self.wide else ()
-
     def stage(self, s, val):
         """Stages the factored operand ``val`` ([C, 64] f32) into the tile ``s``: in bf16 for
         bf16 io, for f16 io rounded to tf32 in an f32 tile (the factors reach e^{8·|g|}, beyond
@@ -308,7 +303,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
             fp.tile(f32),  # G
             cp.smem((NSUB, HALF), f32, swizzled=False),  # reference rows
             *(() if scalar else (fp.tile(),)),  # bk (GDN2)
-            *fp.wide_tiles(),
+            *(fp.operand_tiles() if wide else ()),  # f16 io: the f32 operands
         )
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
