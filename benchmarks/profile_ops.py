@@ -12,7 +12,8 @@ poisoning) as XLA fused it.
     python benchmarks/profile_ops.py gdn:B1_T32768_H16_HV16_D128 kda:B4_T4096_H16_HV16_D128
     python benchmarks/profile_ops.py --impl xla gdn:B1_T256_H2_HV2_D128 --iters 1   # CPU check
 
-A case is ``variant:shape`` with a name of ``shapes.SHAPES`` or any ``B<b>_T<t>_H<h>_HV<hv>_D<d>``.
+A case is ``variant:shape`` with a name of ``shapes.SHAPES`` (packed ``_P`` shapes run with
+``cu_seqlens``) or any ``B<b>_T<t>_H<h>_HV<hv>_D<d>``.
 Each op's row has the bytes it moves (its operands and result once each, from the HLO:
 :func:`profile_step.hlo_ops`) and the bandwidth that gives; the first line is the bandwidth of a
 plain elementwise pass (``2 x`` over 256 MiB of f32) in the same process, the ceiling that a
@@ -69,9 +70,11 @@ def programs(variant: str, s, impl: str):
     args = (q, k, v) + tuple(jnp.asarray(x[n]) for n in gates)
     do = jnp.asarray(x["do"], jnp.bfloat16)
     fn = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}[variant]
+    cu = s.cu_seqlens()
+    kw = {} if cu is None else {"cu_seqlens": jnp.asarray(cu, jnp.int32)}
 
     def op(*a):
-        return fn(*a, implementation=impl)[0]
+        return fn(*a, implementation=impl, **kw)[0]
 
     fb = bench_gdn.forward_backward(op)
     return {"fwd": (jax.jit(op), args), "fwdbwd": (jax.jit(fb), args + (do,))}
