@@ -1,5 +1,6 @@
 """The chunked reference equals the token recurrence, and the variants reduce to each other."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -77,3 +78,41 @@ def test_check_2x_rule():
     with pytest.raises(AssertionError, match=r"\['a'\]"):
         check_2x(["a"], [np.full(8, np.inf)], [np.full(8, np.inf)], [r])
     check_2x(["da", "o"], [r, r + 1.0], [lo, lo], [r, r], checked=lambda n: n.startswith("d"))
+
+
+@pytest.mark.parametrize("cu", [[0, 300], [0, 0, 70, 70, 200, 300], [0, 64, 128, 300, 300]])
+def test_packed_chunk_layout_moves_rows_both_ways_by_gathers(cu):
+    """to_chunks / from_chunks of packed sequences (empty ones included): the values and the
+    cotangents of a row gather (zero padding rows) and of its scatter-add transpose, while the
+    gradient's program has no scatter."""
+    from gdn_jax.reference._common import chunk_layout, from_chunks, to_chunks
+
+    T = cu[-1]
+    layout = chunk_layout(1, T, 64, jnp.asarray(cu, jnp.int32))
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, T, 3, 5))
+    tok = layout.token.reshape(-1)
+
+    def gather_to(a):  # the plain gather: zero rows where a slot has no token
+        rows = a.reshape(T, 3, 5)[jnp.maximum(tok, 0)]
+        return jnp.where((tok >= 0)[:, None, None], rows, 0.0).reshape(layout.token.shape + (3, 5))
+
+    def gather_from(y):
+        return y.reshape(-1, 3, 5)[layout.slot].reshape(1, T, 3, 5)
+
+    y, vjp = jax.vjp(lambda a: to_chunks(a, layout), x)
+    y0, vjp0 = jax.vjp(gather_to, x)
+    np.testing.assert_array_equal(y, y0)
+    assert int((tok >= 0).sum()) == T  # every token has a slot
+    dy = jax.random.normal(jax.random.PRNGKey(1), y.shape)
+    np.testing.assert_array_equal(vjp(dy)[0], vjp0(dy)[0])
+
+    z, vjp = jax.vjp(lambda a: from_chunks(a, layout, 1, T), y)
+    z0, vjp0 = jax.vjp(gather_from, y)
+    np.testing.assert_array_equal(z, x)
+    np.testing.assert_array_equal(z, z0)
+    dz = jax.random.normal(jax.random.PRNGKey(2), z.shape)
+    np.testing.assert_array_equal(vjp(dz)[0], vjp0(dz)[0])
+
+    loss = lambda a: jnp.sum(jnp.sin(from_chunks(2 * to_chunks(a, layout), layout, 1, T)))
+    np.testing.assert_allclose(jax.grad(loss)(x), 2 * jnp.cos(2 * x), rtol=1e-6, atol=1e-6)
+    assert "scatter" not in str(jax.make_jaxpr(jax.grad(loss))(x))

@@ -20,7 +20,13 @@ import jax.numpy as jnp
 
 from gdn_jax.ops._sanitize import Poison
 from gdn_jax.qat import QATConfig
-from gdn_jax.reference._common import ChunkLayout, chunk_layout, from_chunks, to_chunks
+from gdn_jax.reference._common import (
+    ChunkLayout,
+    chunk_layout,
+    from_chunks,
+    permute_rows,
+    to_chunks,
+)
 from pallas_kernels import _compat as pk
 from pallas_kernels._tiles import CHUNK, META_COLS
 
@@ -96,28 +102,28 @@ def padded_lanes(xs, cu_seqlens, T: int, Tp: int) -> list[jax.Array]:
     """
     if cu_seqlens is None:
         return [jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
-    cu = cu_seqlens.astype(jnp.int32)
-    t = jnp.arange(Tp, dtype=jnp.int32)
-    tok = cu[:-1, None] + t[None, :]  # [N, Tp]
-    valid = tok < cu[1:, None]
-    tok = jnp.where(valid, tok, 0)
-
-    def lane(x):
-        y = jnp.take(x[0], tok, axis=0)
-        m = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
-        return jnp.where(m, y, jnp.zeros((), x.dtype))
-
-    return [lane(x) for x in xs]
+    idx, inv = _lane_rows(cu_seqlens, T, Tp)
+    N = cu_seqlens.shape[0] - 1
+    return [permute_rows(x[0], idx, inv).reshape((N, Tp) + x.shape[2:]) for x in xs]
 
 
 def from_padded_lanes(o: jax.Array, cu_seqlens: jax.Array | None, T: int) -> jax.Array:
     """Inverse of :func:`padded_lanes` for an output [N, Tp, ...]: [B, T, ...] (B == 1 packed)."""
     if cu_seqlens is None:
         return o[:, :T]
+    idx, inv = _lane_rows(cu_seqlens, T, o.shape[1])
+    return permute_rows(o.reshape((-1,) + o.shape[2:]), inv, idx)[None]
+
+
+def _lane_rows(cu_seqlens: jax.Array, T: int, Tp: int) -> tuple[jax.Array, jax.Array]:
+    """For one lane of Tp rows per packed sequence: the token of every lane row ([N Tp], -1 past
+    its sequence's end) and the lane row of every token ([T])."""
     cu = cu_seqlens.astype(jnp.int32)
-    tt = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu, tt, side="right").astype(jnp.int32) - 1
-    return o[seq, tt - cu[seq]][None]
+    tok = cu[:-1, None] + jnp.arange(Tp, dtype=jnp.int32)[None, :]  # [N, Tp]
+    tok = jnp.where(tok < cu[1:, None], tok, -1).reshape(-1)
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+    return tok, seq * Tp + t - cu[seq]
 
 
 # log-decay given to the first token of every packed sequence on one lane: e^{-200} underflows to

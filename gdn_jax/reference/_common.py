@@ -164,6 +164,38 @@ def chunk_layout(B: int, T: int, C: int, cu_seqlens: jax.Array | None) -> ChunkL
     return ChunkLayout(token[None], seq[None], first[None], last[None], slot, lengths == 0, True)
 
 
+def _take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """Rows ``x[idx]`` of ``x`` [R, ...] for ``idx`` [M] int32; rows where ``idx < 0`` are zero."""
+    y = jnp.take(x, jnp.maximum(idx, 0), axis=0, mode="clip")
+    keep = (idx >= 0).reshape(idx.shape + (1,) * (x.ndim - 1))
+    return jnp.where(keep, y, jnp.zeros((), x.dtype))
+
+
+@jax.custom_vjp
+def permute_rows(x: jax.Array, idx: jax.Array, inv: jax.Array) -> jax.Array:
+    """Rows ``x[idx]`` ([M, ...]; zero where ``idx < 0``) of ``x`` [R, ...], a gather whose
+    derivative is a gather too.
+
+    ``idx`` [M] must take every row of x at most once, and ``inv`` [R] is its inverse: for every
+    row j of x the position i with ``idx[i] == j``, or -1 where no position takes j. The
+    cotangent of x is then ``permute_rows(dy, inv, idx)``, a gather, where JAX's transpose of
+    ``take`` is a scatter-add (atomics on the GPU) into a zeroed buffer.
+    """
+    return _take_rows(x, idx)
+
+
+def _permute_rows_fwd(x, idx, inv):
+    return _take_rows(x, idx), (idx, inv)
+
+
+def _permute_rows_bwd(res, dy):
+    idx, inv = res
+    return permute_rows(dy, inv, idx), None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def to_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
     """[B, T, ...] -> [L, NC, C, ...]; padding rows are zero."""
     B, T = x.shape[:2]
@@ -171,12 +203,9 @@ def to_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
     if layout.is_dense(B, T):
         pad = [(0, 0), (0, NC * C - T)] + [(0, 0)] * (x.ndim - 2)
         return jnp.pad(x, pad).reshape((B, NC, C) + x.shape[2:])
-    # Packed: gather rows; index B*T points at an appended zero row (no mask to save for AD).
-    flat = jnp.concatenate(
-        [x.reshape((B * T,) + x.shape[2:]), jnp.zeros((1,) + x.shape[2:], x.dtype)]
-    )
-    idx = jnp.where(layout.token >= 0, layout.token, B * T)
-    return jnp.take(flat, idx, axis=0)
+    # Packed: every token has one slot (layout.slot inverts layout.token)
+    rows = permute_rows(x.reshape((B * T,) + x.shape[2:]), layout.token.reshape(-1), layout.slot)
+    return rows.reshape(layout.token.shape + x.shape[2:])
 
 
 def from_chunks(y: jax.Array, layout: ChunkLayout, B: int, T: int) -> jax.Array:
@@ -184,4 +213,5 @@ def from_chunks(y: jax.Array, layout: ChunkLayout, B: int, T: int) -> jax.Array:
     if layout.is_dense(B, T):
         return y.reshape((B, -1) + y.shape[3:])[:, :T]
     flat = y.reshape((-1,) + y.shape[3:])
-    return jnp.take(flat, layout.slot, axis=0).reshape((B, T) + y.shape[3:])
+    rows = permute_rows(flat, layout.slot, layout.token.reshape(-1))
+    return rows.reshape((B, T) + y.shape[3:])
