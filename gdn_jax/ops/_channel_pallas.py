@@ -373,13 +373,17 @@ def channel_pallas(
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     meta = chunk_seq = g_first = None
     floor = MIN_LOG_DECAY  # (None where g is clamped already)
+    if segments is None:
+        segments = _segments_for(cfg, B, T, HV, K, V, q.dtype, cu_seqlens)
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"{segments=} must be None or an int >= 1")
     if cu_seqlens is None:  # one zero-padded lane per batch row
         Tp = -(-T // CHUNK) * CHUNK
         xp = padded_lanes(xs, None, T, Tp)
         lp = lane_poison(poison, None, T, Tp, q_rows=use_qk_l2norm)
         nan_rows, nan_from = lp or (None, None)
     else:  # all sequences back to back on one lane, each starting at a chunk boundary
-        xp, layout = one_lane(xs, cu_seqlens, T)
+        xp, layout = one_lane(xs, cu_seqlens, T, segments)
         lp = lane_poison(poison, cu_seqlens, T, 0, layout, q_rows=use_qk_l2norm)
         nan_rows, nan_from = lp or (None, None)
         chunk_seq = layout.seq[0]
@@ -392,13 +396,9 @@ def channel_pallas(
         else:  # states set / written per sequence by the kernels, from a per-chunk table
             meta = packed_meta(layout)
     rows = xp[0].shape[1]
-    if segments is None:
-        segments = _segments_for(cfg, B, T, HV, K, V, q.dtype, cu_seqlens)
-    if not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"{segments=} must be None or an int >= 1")
     cfg = dataclasses.replace(cfg, segments=segments)
     lanes = LaneFlags(nan_rows, nan_from, g_first, chunk_seq)
-    if segments > 1:  # lanes of a multiple of 64 · segments rows (inert zero padding)
+    if rows % (CHUNK * segments):  # lanes of a multiple of 64 · segments rows (inert zero rows)
         xp = pad_chunks(xp, (1,) * len(xp), segments)
         pad = xp[0].shape[1] // CHUNK - rows // CHUNK
         meta = pad_meta(meta, pad)

@@ -437,7 +437,7 @@ def _packed_one_lane(cfg, q, k, v, g, beta, cu_seqlens, poison):
     """
     T = q.shape[1]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
+    (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T, cfg.segments)
     Gp, bp = _kernel_gates(wipe_first_tokens(gp, layout), bp)
     h0 = jnp.zeros((1, HV, K, V), f32)
     o, _ = _run_core(cfg, qp, kp, vp, Gp, bp, h0, None, _lanes(poison, cu_seqlens, T, 0, layout))
@@ -455,7 +455,7 @@ def _packed_states(cfg, q, k, v, g, beta, cu_seqlens, initial_state, poison):
     T = q.shape[1]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     N = cu_seqlens.shape[0] - 1
-    (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T)
+    (qp, kp, vp, gp, bp), layout = one_lane((q, k, v, g, beta), cu_seqlens, T, cfg.segments)
     Gp, bp = _kernel_gates(gp, bp)
     h0 = jnp.zeros((N, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
     lanes = _lanes(poison, cu_seqlens, T, 0, layout)

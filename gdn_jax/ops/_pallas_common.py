@@ -132,18 +132,23 @@ def _lane_rows(cu_seqlens: jax.Array, T: int, Tp: int) -> tuple[jax.Array, jax.A
 WIPE_LOG_DECAY = -200.0
 
 
-def one_lane(xs, cu_seqlens: jax.Array, T: int) -> tuple[list[jax.Array], ChunkLayout]:
+def one_lane(
+    xs, cu_seqlens: jax.Array, T: int, segments: int = 1
+) -> tuple[list[jax.Array], ChunkLayout]:
     """Packed sequences back to back on one lane, each starting at a chunk boundary.
 
     Args:
       xs: arrays [1, T, ...].
       cu_seqlens: [N + 1] int32.
       T: tokens.
+      segments: the lane's chunk count is a multiple of this (the chunk loops' segments, so that
+        the lane needs no second padding copy).
     Returns:
-      ([1, rows, ...] per array, rows = 64 × chunks ≤ T + 64 N; padding rows zero), and the
-      layout (:func:`from_one_lane` inverts it; ``layout.first`` marks each sequence's first chunk).
+      ([1, rows, ...] per array, rows = 64 × chunks, chunks = ceil(T / 64) + N rounded up to a
+      multiple of ``segments``; padding rows zero), and the layout (:func:`from_one_lane`
+      inverts it; ``layout.first`` marks each sequence's first chunk).
     """
-    layout = chunk_layout(1, T, CHUNK, cu_seqlens)
+    layout = chunk_layout(1, T, CHUNK, cu_seqlens, segments)
     rows = layout.token.shape[1] * CHUNK
     return [to_chunks(x, layout).reshape((1, rows) + x.shape[2:]) for x in xs], layout
 

@@ -125,8 +125,13 @@ class ChunkLayout:
         return not self.packed
 
 
-def chunk_layout(B: int, T: int, C: int, cu_seqlens: jax.Array | None) -> ChunkLayout:
-    """The :class:`ChunkLayout` of ``B`` rows of ``T`` tokens (``B == 1`` with cu_seqlens)."""
+def chunk_layout(
+    B: int, T: int, C: int, cu_seqlens: jax.Array | None, chunk_multiple: int = 1
+) -> ChunkLayout:
+    """The :class:`ChunkLayout` of ``B`` rows of ``T`` tokens (``B == 1`` with cu_seqlens).
+
+    With ``cu_seqlens`` the lane's chunk count NC = ceil(T / C) + N is rounded up to a multiple
+    of ``chunk_multiple`` (more padding chunks; e.g. segments of equal length)."""
     if cu_seqlens is None:
         NC = -(-T // C)
         pos = jnp.arange(NC * C, dtype=jnp.int32).reshape(1, NC, C)
@@ -141,7 +146,7 @@ def chunk_layout(B: int, T: int, C: int, cu_seqlens: jax.Array | None) -> ChunkL
         return ChunkLayout(token, seq, first, last, slot, jnp.zeros((B,), bool))
 
     N = cu_seqlens.shape[0] - 1
-    NC = -(-T // C) + N
+    NC = -(-(-(-T // C) + N) // chunk_multiple) * chunk_multiple
     cu = cu_seqlens.astype(jnp.int32)
     lengths = cu[1:] - cu[:-1]
     n_chunks = (lengths + C - 1) // C  # [N]
