@@ -116,3 +116,21 @@ def test_packed_chunk_layout_moves_rows_both_ways_by_gathers(cu):
     loss = lambda a: jnp.sum(jnp.sin(from_chunks(2 * to_chunks(a, layout), layout, 1, T)))
     np.testing.assert_allclose(jax.grad(loss)(x), 2 * jnp.cos(2 * x), rtol=1e-6, atol=1e-6)
     assert "scatter" not in str(jax.make_jaxpr(jax.grad(loss))(x))
+
+
+@pytest.mark.parametrize("multiple", [1, 3, 4])
+def test_packed_chunk_layout_rounds_its_chunk_count(multiple):
+    """chunk_layout(..., chunk_multiple) adds only padding chunks: the lane's chunk count is a
+    multiple, every token keeps its slot and the round trip through the chunks is exact."""
+    from gdn_jax.reference._common import chunk_layout, from_chunks, to_chunks
+
+    cu = jnp.asarray([0, 0, 70, 70, 200, 300], jnp.int32)
+    base = chunk_layout(1, 300, 64, cu)
+    layout = chunk_layout(1, 300, 64, cu, multiple)
+    nc, nc0 = layout.token.shape[1], base.token.shape[1]
+    assert nc % multiple == 0 and nc0 <= nc < nc0 + multiple
+    np.testing.assert_array_equal(layout.slot, base.slot)
+    np.testing.assert_array_equal(layout.token[:, :nc0], base.token)
+    assert (layout.token[:, nc0:] == -1).all() and not layout.first[:, nc0:].any()
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 300, 2))
+    np.testing.assert_array_equal(from_chunks(to_chunks(x, layout), layout, 1, 300), x)
