@@ -121,14 +121,28 @@ def output_path(arg: str | None, topic: str) -> Path | None:
     ``ARG`` a path: that file (updated in place like a topic file). ``"auto"`` (the scripts'
     default): :func:`default_path` on an accelerator, nowhere on a CPU (CPU runs are checks,
     not results). ``""``/``"none"``: nowhere.
+
+    Raises:
+      ValueError: ``ARG`` names an existing file of another topic or device (a script that asks
+        before it times anything, as ``bench_gdn.py`` does, fails at once).
     """
     import jax
 
     if arg is None or arg.lower() in ("", "none"):
         return None
-    if arg != "auto":
-        return Path(arg)
     dev = jax.devices()[0]
+    if arg != "auto":
+        path = Path(arg)
+        if path.exists():
+            doc = json.loads(path.read_text())
+            if (doc.get("topic"), doc.get("device")) != (topic, dev.device_kind):
+                raise ValueError(
+                    f"--json {arg}: the file holds topic {doc.get('topic')!r} on device "
+                    f"{doc.get('device')!r}, this run is topic {topic!r} on "
+                    f"{dev.device_kind!r}; name that device's file "
+                    f"({default_path(topic, dev.device_kind).name}) or a new one"
+                )
+        return path
     return None if dev.platform == "cpu" else default_path(topic, dev.device_kind)
 
 

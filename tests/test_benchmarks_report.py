@@ -279,3 +279,23 @@ def test_kernel_times_keeps_device_kernels_only():
     ]
     assert kernel_times(events, iters=3) == {"k_b": 0.3, "k_a": 0.1}
     assert list(kernel_times(events, iters=3)) == ["k_b", "k_a"]
+
+
+def test_output_path_refuses_another_devices_file_before_timing(tmp_path):
+    """--json naming an existing file of another device or topic fails at once; a new path, this
+    device's file and "none" pass."""
+    import jax
+
+    results = _results()
+    kind = jax.devices()[0].device_kind
+    other = tmp_path / "ops_h200.json"
+    other.write_text(json.dumps({"topic": "ops", "device": "NVIDIA H200", "runs": [], "rows": []}))
+    with pytest.raises(ValueError, match="NVIDIA H200"):
+        results.output_path(str(other), "ops")
+    mine = tmp_path / "ops_here.json"
+    mine.write_text(json.dumps({"topic": "ops", "device": kind, "runs": [], "rows": []}))
+    assert results.output_path(str(mine), "ops") == mine
+    with pytest.raises(ValueError, match="topic 'ops'"):
+        results.output_path(str(mine), "decode")
+    assert results.output_path(str(tmp_path / "new.json"), "ops") == tmp_path / "new.json"
+    assert results.output_path("none", "ops") is None
