@@ -237,8 +237,10 @@ def _core_bwd(cfg, res, cts):
     # the chunk's last row also gets e^{G_last} <h, dh> + Σ_i Σ_k dk_state ⊙ k
     Gl = G.reshape(B, HV, nt, CHUNK)[..., -1]
     last = rs.reshape(B, HV, nt, CHUNK).sum(-1) + jnp.exp(Gl) * hd.sum(-1)
-    dG = (dg_a + dg_r - dg_c).reshape(B, HV, nt, CHUNK)
-    dG = dG.at[..., -1].add(last).reshape(B, HV, T)
+    # (added in the sum's elementwise pass: a scatter into the last rows would be a pass of its own)
+    at_last = jnp.arange(CHUNK) == CHUNK - 1
+    dG = (dg_a + dg_r - dg_c).reshape(B, HV, nt, CHUNK) + jnp.where(at_last, last[..., None], 0.0)
+    dG = dG.reshape(B, HV, T)
     if meta is not None:  # rows of sequences without chunks were never written
         dh0 = zero_sequences_without_chunks(dh0, meta)
     return dq, dk, dv.astype(v.dtype), dG, dbeta, dh0, None, None
