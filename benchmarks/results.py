@@ -134,14 +134,13 @@ def output_path(arg: str | None, topic: str) -> Path | None:
     if arg != "auto":
         path = Path(arg)
         if path.exists():
-            doc = json.loads(path.read_text())
-            if (doc.get("topic"), doc.get("device")) != (topic, dev.device_kind):
+            try:
+                _check_doc(json.loads(path.read_text()), topic, dev.device_kind)
+            except ValueError as e:
                 raise ValueError(
-                    f"--json {arg}: the file holds topic {doc.get('topic')!r} on device "
-                    f"{doc.get('device')!r}, this run is topic {topic!r} on "
-                    f"{dev.device_kind!r}; name that device's file "
+                    f"--json {arg}: {e}; name this device's file "
                     f"({default_path(topic, dev.device_kind).name}) or a new one"
-                )
+                ) from None
         return path
     return None if dev.platform == "cpu" else default_path(topic, dev.device_kind)
 
@@ -163,6 +162,15 @@ def _replace_rows(old: list[dict], new: list[dict], keys: tuple[str, ...], run: 
             index[k] = len(out)
             out.append(row)
     return out
+
+
+def _check_doc(doc: dict, topic: str, device: str) -> None:
+    """Raises ValueError unless the topic document ``doc`` is ``topic``'s on ``device``."""
+    if (doc.get("topic"), doc.get("device")) != (topic, device):
+        raise ValueError(
+            f"doc is for topic {doc.get('topic')!r} on device {doc.get('device')!r}, "
+            f"expected topic {topic!r} on device {device!r}"
+        )
 
 
 def add_run(
@@ -197,11 +205,7 @@ def add_run(
     if missing:
         raise ValueError(f"run={run!r}: missing {missing}, expected the fields {RUN_FIELDS}")
     doc = doc or {"topic": topic, "device": device, "runs": [], "rows": []}
-    if (doc.get("topic"), doc.get("device")) != (topic, device):
-        raise ValueError(
-            f"doc is for topic {doc.get('topic')!r} on device {doc.get('device')!r}, "
-            f"expected topic {topic!r} on device {device!r}"
-        )
+    _check_doc(doc, topic, device)
     runs = list(doc["runs"])
     run = {f: run[f] for f in RUN_FIELDS}
     ident = (run["date"], run["command"])

@@ -412,7 +412,7 @@ def _run_core(cfg: PallasConfig, q, k, v, G, beta, h0, meta, lanes: LaneFlags):
     """:func:`_core` on lanes padded to a multiple of ``64 · cfg.segments`` rows (inert zero rows;
     the per-chunk table gets -1 rows, the flags none); o is cut back to the lanes' rows."""
     rows = q.shape[1]
-    if cfg.segments > 1:
+    if rows % (CHUNK * cfg.segments):  # (packed lanes come sized for the segments)
         q, k, v, G, beta = pad_chunks((q, k, v, G, beta), (1, 1, 1, 2, 2), cfg.segments)
         pad = q.shape[1] // CHUNK - rows // CHUNK
         meta = pad_meta(meta, pad)
