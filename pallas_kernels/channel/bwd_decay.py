@@ -58,7 +58,11 @@ and spans more than its dynamic range within a block, so its pair is **bf16** (f
 f32 by the kernels) is staged as a bf16 hi/lo pair too (``lo_s`` arguments,
 :meth:`Decay.stage_pair`), and each block accumulates ``D_hi Ŷ_hi + D_hi Ŷ_lo + D_lo Ŷ_hi``
 (three wgmmas, one accumulator; the ``D_lo Ŷ_lo`` term, ~2^-18 relative, is dropped). The tiles
-of the factored operand and of D are bf16 in f16 mode (:func:`operand_dtype`).
+of the factored operand and of D are bf16 in f16 mode (:func:`operand_dtype`). The forward's
+intra kernel multiplies its f16-mode factored operands by one tf32 wgmma instead; tf32 wgmma
+takes no transposed operand (both must be K-major), and here the contraction runs over the
+tokens: the factored operand's [C, K] tile (and D for :meth:`Decay.cols`) would have to be
+staged transposed.
 """
 
 from __future__ import annotations

@@ -47,9 +47,8 @@ f16 io (q, k, v and the outputs f16): the factored operands of L and Aqk,
 token), beyond f16's 65504, and span more than its dynamic range within a block, so they are
 staged in f32 tiles rounded to tf32 (f32's range, f16's 11-bit significand;
 :func:`pallas_kernels._tiles.round_tf32`) and multiplied by one tf32 wgmma: half bf16's rate,
-where bf16 hi/lo pairs (hi·hi + hi·lo + lo·hi) would take three bf16 products (on the H200 at
-KDA B4 T4096 HV16 ``chan_intra(store_a)`` takes 0.713 ms in f16 against 0.647 ms in bf16,
-``bench_gdn.py --stages``, RESULTS.md's stage table). Both operands of a tf32
+where bf16 hi/lo pairs (hi·hi + hi·lo + lo·hi) would take three bf16 products
+(``bench_gdn.py --stages --dtype float16`` times both kernels). Both operands of a tf32
 wgmma must be K-major, which these are (rows [C, 64] and the column block's [16, 64] rows, both
 with the key channels contiguous). Everything else stays f16: A (|A| bounded
 by the inverse's size), the gated k and v operands of w and u (factors ≤ 1), qg, kg (factors
