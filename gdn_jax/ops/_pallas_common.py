@@ -25,6 +25,7 @@ from gdn_jax.reference._common import (
     chunk_layout,
     from_chunks,
     permute_rows,
+    sequence_ids,
     to_chunks,
 )
 from pallas_kernels import _compat as pk
@@ -121,9 +122,8 @@ def _lane_rows(cu_seqlens: jax.Array, T: int, Tp: int) -> tuple[jax.Array, jax.A
     cu = cu_seqlens.astype(jnp.int32)
     tok = cu[:-1, None] + jnp.arange(Tp, dtype=jnp.int32)[None, :]  # [N, Tp]
     tok = jnp.where(tok < cu[1:, None], tok, -1).reshape(-1)
-    t = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
-    return tok, seq * Tp + t - cu[seq]
+    seq = sequence_ids(cu, T)
+    return tok, seq * Tp + jnp.arange(T, dtype=jnp.int32) - cu[seq]
 
 
 # log-decay given to the first token of every packed sequence on one lane: e^{-200} underflows to

@@ -171,7 +171,7 @@ def chunk_layout(
 
 def _take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     """Rows ``x[idx]`` of ``x`` [R, ...] for ``idx`` [M] int32; rows where ``idx < 0`` are zero."""
-    y = jnp.take(x, jnp.maximum(idx, 0), axis=0, mode="clip")
+    y = jnp.take(x, idx, axis=0, mode="clip")  # (-1 clipped to row 0, then zeroed)
     keep = (idx >= 0).reshape(idx.shape + (1,) * (x.ndim - 1))
     return jnp.where(keep, y, jnp.zeros((), x.dtype))
 
