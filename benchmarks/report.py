@@ -90,8 +90,10 @@ def _run_lines(rows: list[dict], doc: dict) -> list[str]:
         versions = ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items())
         commit = f"commit {r['commit']}" if r.get("commit") else "commit not recorded"
         note = f"; {r['note']}" if r.get("note") else ""
-        out.append(f"- **{run_id(i)}**: {doc['device']}, {r['date']}, {commit}, {versions}{note}:")
-        out.append(f"  `{r['command']}`")
+        out.append(
+            f"- **{run_id(i)}**: {doc['device']}, {r['date']}, {commit}, {versions}{note}: "
+            f"`{r['command']}`"
+        )
     return out
 
 
