@@ -1,7 +1,8 @@
 """Where a chunked op's device time goes: a ``jax.profiler`` trace of its kernels and XLA fusions.
 
 Times the public op (``gated_delta_rule``, ``kda``, ``gdn2``; inputs of
-``bench_gdn.inputs``, bf16 io) forward and forward+backward (the forward and its VJP with the
+``bench_gdn.inputs``, ``--dtype`` io: q, k, v, do and the gates β, b, w, as ``bench_gdn.py``
+passes them) forward and forward+backward (the forward and its VJP with the
 cotangent ``do``, :func:`bench_gdn.forward_backward`) as ``bench_gdn.py`` does, traces
 ``--iters`` calls of each and prints, per HLO op of the compiled program, its device time per
 call, its category and the JAX operation that made it (:func:`profile_step.op_times`,
@@ -10,6 +11,7 @@ alone, this shows the op's own XLA work (input sanitation, gate cumsum, transpos
 poisoning) as XLA fused it.
 
     python benchmarks/profile_ops.py gdn:B1_T32768_H16_HV16_D128 kda:B4_T4096_H16_HV16_D128
+    python benchmarks/profile_ops.py --dtype float16 kda:B4_T4096_H16_HV16_D128
     python benchmarks/profile_ops.py --impl xla gdn:B1_T256_H2_HV2_D128 --iters 1   # CPU check
 
 A case is ``variant:shape`` with a name of ``shapes.SHAPES`` (packed ``_P`` shapes run with
@@ -60,15 +62,18 @@ def parse_case(case: str):
     return variant, shape_table.Shape(name, B, T, H, HV, D, D)
 
 
-def programs(variant: str, s, impl: str):
-    """{"fwd": (jitted fn, args), "fwdbwd": (jitted fn, args)} of the public op."""
+def programs(variant: str, s, impl: str, dtype: str = "bfloat16"):
+    """{"fwd": (jitted fn, args), "fwdbwd": (jitted fn, args)} of the public op with io
+    ``dtype`` (q, k, v, do and the gates β, b, w; the log-decay g f32, as in
+    :func:`bench_gdn.bench_jax`)."""
     import gdn_jax
 
+    io = jnp.dtype(dtype)
     x = bench_gdn.inputs(s, variant=variant)
-    q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
-    gates = ("g", "b", "w") if variant == "gdn2" else ("g", "beta")
-    args = (q, k, v) + tuple(jnp.asarray(x[n]) for n in gates)
-    do = jnp.asarray(x["do"], jnp.bfloat16)
+    q, k, v = (jnp.asarray(x[n], io) for n in ("q", "k", "v"))
+    gates = ("b", "w") if variant == "gdn2" else ("beta",)
+    args = (q, k, v, jnp.asarray(x["g"])) + tuple(jnp.asarray(x[n], io) for n in gates)
+    do = jnp.asarray(x["do"], io)
     fn = {"gdn": gdn_jax.gated_delta_rule, "kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}[variant]
     cu = s.cu_seqlens()
     kw = {} if cu is None else {"cu_seqlens": jnp.asarray(cu, jnp.int32)}
@@ -108,6 +113,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="+", help="variant:shape")
     p.add_argument("--impl", default="pallas", choices=["pallas", "xla"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="io dtype")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
@@ -118,11 +124,11 @@ def main(argv=None) -> int:
     print(f"elementwise 2x of {a.ceiling_mib} MiB f32: {gbps:.0f} GB/s (read + written)")
     for case in a.cases:
         variant, s = parse_case(case)
-        progs = programs(variant, s, a.impl)
+        progs = programs(variant, s, a.impl, a.dtype)
         for mode in a.modes:
             times, ops, hlo = profile(*progs[mode], a.iters)
             total = sum(ns for ns, _ in times.values())
-            head = f"== {variant} {s.name} {mode} ({a.impl})"
+            head = f"== {variant} {s.name} {a.dtype} {mode} ({a.impl})"
             print(f"{head}: {total / 1e6:.3f} ms device time per call")
             for name, (ns, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[: a.top]:
                 info = ops.get(name, {})

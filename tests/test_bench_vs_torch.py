@@ -174,9 +174,13 @@ def test_profile_ops_cpu(capsys):
     assert profile_ops.main(["--impl", "xla", "--modes", "fwd", "--iters", "1", "--top", "2",
                              "--ceiling-mib", "1", "gdn:B1_T64_H1_HV1_D64"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert re.search(r"== gdn B1_T64_H1_HV1_D64 fwd \(xla\): \d+\.\d+ ms", out), out
+    assert re.search(r"== gdn B1_T64_H1_HV1_D64 bfloat16 fwd \(xla\): \d+\.\d+ ms", out), out
     assert re.search(r"elementwise 2x of 1 MiB f32: \d+ GB/s", out), out
     assert re.search(r"ms  x\d+ +\d+\.\d MB +\d+ GB/s", out), out
+    # --dtype: the io tensors (q, k, v, do and the gates beside g) in that dtype, g f32
+    progs = profile_ops.programs("gdn2", s, "xla", "float16")
+    dts = [a.dtype for a in progs["fwdbwd"][1]]
+    assert dts == [jnp.float16] * 3 + [jnp.float32] + [jnp.float16] * 3, dts
 
 
 def test_hlo_ops_bytes():
