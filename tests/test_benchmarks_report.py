@@ -20,13 +20,40 @@ def test_report_regenerates_results_md(tmp_path):
     """The page is at most MAX_LINES long, has every topic's table with its runs, and equals the
     checked-in RESULTS.md (which must be regenerated when results change)."""
     report = _report()
-    out = tmp_path / "RESULTS.md"
-    assert report.main(["--out", str(out), "--no-plots"]) == 0
+    out, readme = tmp_path / "RESULTS.md", tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
+    assert report.main(["--out", str(out), "--readme", str(readme), "--no-plots"]) == 0
     text = out.read_text()
     assert text.count("\n") <= report.MAX_LINES
     for title in ("Chunked ops vs FLA", "Decode step", "Model train step", "Sharded training"):
         assert f"## {title}" in text
     assert text == (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    # README's op rows are the generated ones (regenerated with RESULTS.md)
+    assert readme.read_text() == (ROOT / "README.md").read_text()
+
+
+def test_readme_op_rows_come_from_the_h200_results():
+    """README's op rows: one per (variant, shape, mode) of README_OPS with ours, FLA's time of
+    the same row and their ratio; a missing row or missing markers raise."""
+    report = _report()
+    docs = report.load()
+    table = report.readme_ops_table(docs)
+    assert len(table) == 2 + 2 * len(report.README_OPS)
+    (h200,) = [d for d in docs["ops"] if "H200" in d["device"]]
+    row = next(r for r in h200["rows"] if (r["variant"], r["shape"], r["mode"], r["dtype"])
+               == ("kda", "B4_T4096_H16_HV16_D128", "fwdbwd", "bfloat16"))  # fmt: skip
+    want = f"| KDA fwd+bwd | B4 T4096 H16 | {row['pallas_ms']:.3f} ms | {row['fla_ms']:.3f} ms | "
+    assert any(line.startswith(want) for line in table), table
+    text = f"a\n{report.README_BEGIN}\nstale\n{report.README_END}\nb\n"
+    new = report.update_readme(text, docs)
+    assert (
+        "stale" not in new and new.startswith("a\n") and new.endswith(f"{report.README_END}\nb\n")
+    )
+    with pytest.raises(ValueError, match="block"):
+        report.update_readme("no markers", docs)
+    h200["rows"] = [r for r in h200["rows"] if r is not row]
+    with pytest.raises(ValueError, match="kda B4_T4096_H16_HV16_D128 fwdbwd"):
+        report.readme_ops_table(docs)
 
 
 def _results():
