@@ -376,6 +376,43 @@ def profile_section(doc: dict) -> list[str]:
     return out
 
 
+def _resource_cell(r: dict) -> str:
+    """``registers r (+spill B) · CTAs per SM (shared memory's)``; ``—`` for unmeasured
+    registers."""
+    if r.get("registers") is None:
+        return f"— · ({r['ctas_smem']})"
+    spill = r["spill_stores"] + r["spill_loads"]
+    spilled = f" +{spill} B" if spill else ""
+    return f"{r['registers']} r{spilled} · {r['ctas']} ({r['ctas_smem']})"
+
+
+def kernels_section(doc: dict) -> list[str]:
+    rows = doc["rows"]
+    cases = sorted({(r["variant"], r["dtype"]) for r in rows})
+    by = {(r["mode"], r["kernel"], r["variant"], r["dtype"]): r for r in rows}
+    body = []
+    for mode, kernel in sorted({(r["mode"], r["kernel"]) for r in rows}):
+        cells = [by.get((mode, kernel, *c)) for c in cases]
+        used = [r for r in cells if r is not None]
+        body.append(
+            [f"`{kernel}`", mode, str(used[0]["threads"])]
+            + [_resource_cell(r) if r else "" for r in cells]
+            + [", ".join(sorted({_run_col(r) for r in used}))]
+        )
+    out = [
+        "## Kernel resources",
+        "",
+        "Per Mosaic GPU kernel of each pass (`kernel_resources.py`): ptxas's registers per "
+        "thread (`r`; `+N B`: spill stores + loads per thread), then the CTAs per Hopper SM "
+        "that registers and shared memory together allow, and in brackets what shared memory "
+        "alone allows (Mosaic GPU's count per CTA, 228 KiB per SM, 1 KiB reserved per CTA).",
+        "",
+    ]
+    out += _table(["kernel", "pass", "threads", *(f"{v} {d}" for v, d in cases), "runs"], body)
+    out += _run_lines(rows, doc)
+    return out
+
+
 def sharding_section(doc: dict) -> list[str]:
     rows = list(doc["rows"])
     order = {"dp": 0, "fsdp": 1, "tp": 2, "cp": 3}
@@ -495,7 +532,7 @@ def render(docs: dict[str, list[dict]]) -> str:
     ]
     sections = {"ops": ops_section, "decode": decode_section, "model": model_section,
                 "sharding": sharding_section, "hf": hf_section,
-                "profile": profile_section}  # fmt: skip
+                "profile": profile_section, "kernels": kernels_section}  # fmt: skip
     for topic in TOPICS:
         for i, doc in enumerate(docs[topic]):
             lines = sections[topic](doc)

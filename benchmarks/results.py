@@ -4,7 +4,7 @@
 ``model_h200.json``, ``sharding_h200.json``) holds every row measured for that topic on that
 device::
 
-    {"topic": "ops" | "decode" | "model" | "sharding" | "hf" | "profile",
+    {"topic": "ops" | "decode" | "model" | "sharding" | "hf" | "profile" | "kernels",
      "device": "NVIDIA H200",
      "date": "2026-11-29T10:28:52+00:00", "commit": "e396b85" | null,
      "command": "python3 benchmarks/bench_gdn.py ...", "versions": {"jax": "0.11.2", ...},
@@ -31,7 +31,9 @@ Row fields per topic:
   step_ms_1, step_ms_n, tokens_per_s_per_device, efficiency`` (+ comparisons with the f32 maths);
 - hf: ``what, batch, seq, ours, torch, ratio``;
 - profile: ``preset, layers, batch, seq, setting, what ("total" | "op" | "category"), rank,
-  name, category, ms, share, count, source`` (``benchmarks/profile_step.py``).
+  name, category, ms, share, count, source`` (``benchmarks/profile_step.py``);
+- kernels: ``variant, dtype, mode, kernel, threads, smem, registers, stack, spill_stores,
+  spill_loads, ctas_smem, ctas_regs, ctas`` (``benchmarks/kernel_resources.py``).
 
 A field that was not measured is ``null``. The fields of :data:`KEYS` identify a row: a run
 that measures a row with the same key replaces it whole (:func:`add_run`). The bench scripts
@@ -54,7 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-TOPICS = ("ops", "decode", "model", "sharding", "hf", "profile")
+TOPICS = ("ops", "decode", "model", "sharding", "hf", "profile", "kernels")
 # the fields that identify a row of each topic (rows with equal keys are the same measurement)
 KEYS = {
     "ops": ("variant", "shape", "mode", "dtype", "qat", "segments"),
@@ -73,6 +75,7 @@ KEYS = {
     "hf": ("what", "batch", "seq"),
     # one profile's table: a new profile of a step replaces the ops of the same rank
     "profile": ("preset", "layers", "batch", "seq", "setting", "what", "rank"),
+    "kernels": ("variant", "dtype", "mode", "kernel"),
 }
 STAGE_KEYS = ("variant", "shape", "dtype", "impl", "kernel")  # the ops file's per-kernel rows
 RUN_FIELDS = ("date", "commit", "command", "note", "versions")  # what each entry of runs says

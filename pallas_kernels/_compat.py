@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
@@ -48,6 +49,8 @@ __all__ = [
     "bcast_cols",
     "cuda_lowering_mesh",
     "is_hopper",
+    "KernelLaunch",
+    "record_kernel_launches",
 ]
 
 Mode = Literal["auto", "gpu", "interpret"]
@@ -369,3 +372,53 @@ def cuda_lowering_mesh() -> Iterator[None]:
     """
     with jax.sharding.use_abstract_mesh(_abstract_h200_mesh()), use_mode("gpu"):
         yield
+
+
+@dataclasses.dataclass
+class KernelLaunch:
+    """What Mosaic GPU lowered for one kernel (the largest over its lowerings).
+
+    Attributes:
+      smem: shared memory bytes per CTA, Mosaic GPU's own count (the one its "exceeds available
+        shared memory" check compares).
+      threads: threads per CTA.
+    """
+
+    smem: int
+    threads: int
+
+
+def record_kernel_launches() -> contextlib.AbstractContextManager[dict[str, KernelLaunch]]:
+    """A context that records ``{kernel name: KernelLaunch}`` of every Mosaic GPU kernel lowered
+    inside it (jax 0.11.2: the ``block`` and ``smem_buffers`` of ``core._launch``, sized by
+    ``core._smem_tree_size``).
+
+    Raises:
+      NotImplementedError: this JAX's Mosaic GPU has no ``_launch`` / ``_smem_tree_size``.
+    """
+    launch = getattr(_mgpu_core, "_launch", None)
+    size = getattr(_mgpu_core, "_smem_tree_size", None)
+    if launch is None or size is None:
+        raise NotImplementedError("this JAX's Mosaic GPU has no _launch / _smem_tree_size to read")
+    return _recording_launches(launch, size)
+
+
+@contextlib.contextmanager
+def _recording_launches(launch, size) -> Iterator[dict[str, KernelLaunch]]:
+    found: dict[str, KernelLaunch] = {}
+
+    @contextlib.contextmanager
+    def recording(token, grid, cluster, block, smem_buffers, semantics, module, *a, **kw):
+        name = str(module.operation.attributes["sym_name"]).strip('"')  # a quoted MLIR string
+        seen = found.get(name, KernelLaunch(0, 0))
+        found[name] = KernelLaunch(
+            max(seen.smem, size(smem_buffers)), max(seen.threads, int(np.prod(block)))
+        )
+        with launch(token, grid, cluster, block, smem_buffers, semantics, module, *a, **kw) as r:
+            yield r
+
+    _mgpu_core._launch = recording
+    try:
+        yield found
+    finally:
+        _mgpu_core._launch = launch

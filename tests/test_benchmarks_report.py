@@ -91,7 +91,7 @@ def test_add_run_replaces_rows_by_key_and_appends_the_run():
     with pytest.raises(ValueError, match="device"):
         results.add_run(doc, "decode", "other GPU", run("d1"), [])
     with pytest.raises(ValueError, match="topic"):
-        results.add_run(None, "kernels", "GPU", run("d1"), [])
+        results.add_run(None, "no such topic", "GPU", run("d1"), [])
 
 
 def test_report_names_each_fields_run(tmp_path):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from channel_cases import NAMES, channel_case, check_channel_2x, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT, kernel_smem, lowered_kernels, run_interpreted, smem_per_cta
+from gdn_cases import RECURRENT, kernel_launches, lowered_kernels, run_interpreted, smem_per_cta
 from test_channel_packed_states import check_one_lane
 
 import gdn_jax
@@ -134,7 +134,7 @@ def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
 
         return jax.value_and_grad(loss, argnums=(0, 1))(tuple(xs), h0)
 
-    with pk.cuda_lowering_mesh(), kernel_smem() as smem:
+    with pk.cuda_lowering_mesh(), kernel_launches() as smem:
         txt = jax.jit(f).trace(*args, cu=cu).lower(lowering_platforms=("cuda",)).as_text()
         fwd_bwd_kernels = set(smem)  # the recorder saw every kernel of the fwd+bwd
         if not packed:
@@ -146,7 +146,7 @@ def test_lowers_for_cuda(variant, K, V, HV, dtype, packed):
     if packed:
         check_one_lane(txt, T, 3, HV, K, V)
     plan = channel_plan(bf, K, V, scalar_beta=variant == "kda", store_a=True)
-    over = {n: b for n, b in smem.items() if b > smem_per_cta(planned_ctas(n, plan, bf))}
+    over = {n: k.smem for n, k in smem.items() if k.smem > smem_per_cta(planned_ctas(n, plan, bf))}
     assert not over, (over, plan)
 
 

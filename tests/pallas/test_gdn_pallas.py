@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from channel_cases import NAMES as ALL_NAMES
 from channel_cases import channel_case, check_channel_2x, loss_and_grads, pallas_op
-from gdn_cases import RECURRENT, kernel_smem, lowered_kernels, smem_per_cta
+from gdn_cases import RECURRENT, kernel_launches, lowered_kernels, smem_per_cta
 
 import gdn_jax
 from gdn_jax.ops._gdn_pallas import gated_delta_rule_pallas
@@ -246,9 +246,9 @@ def test_intra_fits_four_ctas_per_sm(dtype):
     def f(k, v, G, beta):
         return [intra_chunk(k, v, G, beta, IntraConfig(store_a=a)) for a in (False, True)]
 
-    with pk.cuda_lowering_mesh(), kernel_smem() as smem:
+    with pk.cuda_lowering_mesh(), kernel_launches() as smem:
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    assert 0 < smem["gdn_intra"] <= smem_per_cta(4), smem
+    assert 0 < smem["gdn_intra"].smem <= smem_per_cta(4), smem
 
 
 def _kernel_hashes(n_layers: int) -> list[str]:
