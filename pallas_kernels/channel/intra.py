@@ -3,8 +3,11 @@
 Two kernels, each one CTA (one warpgroup) per (chunk, value head, batch row): ``chan_intra_wy``
 (:func:`_wy_body`) forms L → A → w, u (and A), ``chan_intra_qk`` (:func:`_qk_body`) Aqk, qg, kg.
 The two share nothing but G and k; as separate kernels each gets its own register allocation and
-shared-memory footprint instead of the larger of the two: with bf16 io four qk and three wy
-CTAs fit on an SM; with f16, three qk and three (KDA) or two (GDN2) wy CTAs. Per chunk of
+shared-memory footprint instead of the larger of the two. Shared memory would let four qk and
+three wy CTAs share an SM with bf16 io (f16: three qk, three (KDA) or two (GDN2) wy), but
+registers hold both kernels to two: ptxas gives qk 255 registers a thread (with spills) and wy
+202–242 at K = V = 128 (``benchmarks/kernel_resources.py``, RESULTS.md's kernel resources), and
+three CTAs of one warpgroup need at most 168. Per chunk of
 C = 64 rows, with G the chunk-local cumulative log-decay per key channel ([C, K], natural log,
 f32), b the erase gate and w_gate the write gate (KDA: b = w_gate = β per token), they compute
 the stages of :func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
@@ -236,14 +239,16 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                  the output staging 2 × [C, 64]
 
     Mosaic's count when lowering, bf16: 69 704 B (KDA) / 66 640 B (GDN2), within a third of an
-    SM, so three CTAs share an SM (tests/pallas/test_channel_pallas.py::test_lowers_for_cuda
-    checks each kernel's count against its plan's budget). KDA's v flags
+    SM (tests/pallas/test_channel_pallas.py::test_lowers_for_cuda checks each kernel's count
+    against its plan's budget); at 232 / 202 registers a thread two CTAs run per SM (module
+    docstring). KDA's v flags
     (:func:`first_bad_rows`) take w's operand tiles once w's products are done (K = 64: the
     second one is the inverse scratch, after A's store has read it).
 
     f16 io: the L operands are tf32, two [C, 64] f32 tiles in each pass's scope (the f16 staging
     tiles cannot hold them), so the output staging moves to the tail's scope: 75 848 B (KDA),
-    three CTAs per SM; 83 024 B (GDN2, whose pass also holds bk), two.
+    a third of an SM; 83 024 B (GDN2, whose pass also holds bk), under half. Registers (242 /
+    229 a thread) allow two CTAs per SM either way.
     """
     scalar = cfg.scalar_beta
     if scalar:
@@ -416,8 +421,9 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
                  32768
       then:      Aqk staging [C, C] 8192
 
-    With the row reductions' scratch, Mosaic's count is 54 352 B with bf16 io, so four CTAs
-    share an SM, and 70 736 B with f16 io, three.
+    With the row reductions' scratch, Mosaic's count is 54 352 B with bf16 io (a quarter of an
+    SM) and 70 736 B with f16 io (a third); at 255 registers a thread (with spills) two CTAs run
+    per SM (module docstring).
     """
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)

@@ -78,12 +78,13 @@ def test_interpret_f16_forward_and_grads(variant, T, HV, K, V, g_val):
 
 
 def planned_ctas(name: str, plan, dtype) -> int:
-    """CTAs per SM that kernel ``name`` is sized for under ``plan``
+    """CTAs per SM whose shared memory kernel ``name`` is sized for under ``plan``
     (:mod:`pallas_kernels.channel.plan`): for the intra kernels (the reason they are two
     kernels), qk four with bf16 io and three with f16 (qg and kg leave through q's and k's
     tiles), wy three with bf16 io and for KDA's f16 (it loads v only after its L passes), two for
     GDN2's f16; two for the gate cumsum and the K-split / phased backward forms; one for the
-    state loops and the one-CTA backward forms."""
+    state loops and the one-CTA backward forms. (Registers can allow fewer: the intra kernels
+    run two per SM, ``benchmarks/kernel_resources.py``.)"""
     bf16 = jnp.dtype(dtype) == jnp.bfloat16
     if name == "chan_intra_qk":
         return 4 if bf16 else 3
