@@ -113,8 +113,10 @@ def versions() -> dict[str, str]:
 
 
 def default_path(topic: str, device_kind: str) -> Path:
-    """``benchmarks/results/<topic>_<device>.json``, e.g. ``ops_h200.json`` for "NVIDIA H200"."""
-    slug = re.sub(r"[^a-z0-9]+", "", device_kind.lower().removeprefix("nvidia ")) or "device"
+    """``benchmarks/results/<topic>_<device>.json``, the device named by its model: e.g.
+    ``ops_h200.json`` for "NVIDIA H200", ``ops_h100.json`` for "NVIDIA H100 80GB HBM3"."""
+    model = (device_kind.lower().removeprefix("nvidia ").split() or [""])[0]
+    slug = re.sub(r"[^a-z0-9]+", "", model) or "device"
     return RESULTS_DIR / f"{topic}_{slug}.json"
 
 

@@ -326,3 +326,12 @@ def test_output_path_refuses_another_devices_file_before_timing(tmp_path):
         results.output_path(str(mine), "decode")
     assert results.output_path(str(tmp_path / "new.json"), "ops") == tmp_path / "new.json"
     assert results.output_path("none", "ops") is None
+
+
+def test_default_path_names_the_device_model():
+    """Each device kind's file is named by its model, so a run with the default path updates the
+    checked-in file of its device (``ops_h100.json`` for the H100's long device kind)."""
+    results = _results()
+    assert results.default_path("ops", "NVIDIA H200").name == "ops_h200.json"
+    assert results.default_path("kernels", "NVIDIA H100 80GB HBM3").name == "kernels_h100.json"
+    assert results.default_path("ops", "").name == "ops_device.json"
