@@ -51,12 +51,17 @@ __all__ = [
     "is_hopper",
     "KernelLaunch",
     "record_kernel_launches",
+    "profile_regions",
 ]
 
 Mode = Literal["auto", "gpu", "interpret"]
 # the axis name of the warpgroup index in kernels with several warpgroups per CTA
 WG_AXIS = "wg"
 _MODE: contextvars.ContextVar[Mode] = contextvars.ContextVar("pallas_kernels_mode", default="auto")
+# (trace directory, events per warpgroup) while :func:`profile_regions` is active
+_PROFILE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "pallas_kernels_profile", default=None
+)
 
 
 def execution_mode() -> Mode:
@@ -133,6 +138,10 @@ def kernel(
     in place, with no copy).
     """
     interpret = interpret_params() if execution_mode() == "interpret" else None
+    profile = _PROFILE.get()
+    params = None
+    if profile is not None and interpret is None:
+        params = plgpu.CompilerParams(profile_space=profile[1], profile_dir=profile[0])
     if not input_output_aliases:
         return plgpu.kernel(
             body,
@@ -140,6 +149,7 @@ def kernel(
             grid=grid,
             grid_names=grid_names,
             interpret=interpret,
+            compiler_params=params,
             kernel_name=name,
             num_threads=warpgroups if warpgroups > 1 else None,
             thread_name=WG_AXIS if warpgroups > 1 else None,
@@ -170,6 +180,7 @@ def kernel(
             grid=grid,
             grid_names=grid_names,
             interpret=interpret,
+            compiler_params=params,
             kernel_name=name,
         )(*args)
         res = dict(zip(kept, res, strict=True))
@@ -386,6 +397,23 @@ class KernelLaunch:
 
     smem: int
     threads: int
+
+
+@contextlib.contextmanager
+def profile_regions(directory: str, events: int = 64) -> Iterator[None]:
+    """A context in which every Mosaic GPU kernel traced is built with Mosaic GPU's on-device
+    profiler: each warpgroup records the clock at the entry and exit of every ``jax.named_scope``
+    region of the kernel body (``events`` entries and exits at most a warpgroup), and each run
+    writes a Perfetto trace ``<name>-<time>-trace.json`` into ``directory``
+    (``benchmarks/kernel_regions.py`` reads them). Off under the interpreter. The profiler's
+    buffer takes ``16 · events`` bytes of shared memory per warpgroup."""
+    if events < 1:
+        raise ValueError(f"{events=} must be positive")
+    token = _PROFILE.set((str(directory), int(events)))
+    try:
+        yield
+    finally:
+        _PROFILE.reset(token)
 
 
 def record_kernel_launches() -> contextlib.AbstractContextManager[dict[str, KernelLaunch]]:

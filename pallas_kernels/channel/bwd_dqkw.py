@@ -279,7 +279,8 @@ def _dqkw_ksplit_body(
             )
 
         if scaled:
-            stage_state(h_g, 0)
+            with jax.named_scope("stage h"):
+                stage_state(h_g, 0)
 
         def phase1(do_s, dvh_s, dvl_s):
             """dP to SMEM, dw out; returns the h part of dq without its e^{G} (f16:
@@ -311,15 +312,17 @@ def _dqkw_ksplit_body(
             plgpu.copy_smem_to_gmem(x_s, dw_g.at[b, rows, hv, kc])
             return dqh, diag
 
-        dqh = pl.run_scoped(
-            phase1,
-            cp.smem((C, V), dt),  # do
-            cp.smem((C, V), dt),  # dv2 hi
-            cp.smem((C, V), dt),  # dv2 lo
-        )
+        with jax.named_scope("phase 1"):
+            dqh = pl.run_scoped(
+                phase1,
+                cp.smem((C, V), dt),  # do
+                cp.smem((C, V), dt),  # dv2 hi
+                cp.smem((C, V), dt),  # dv2 lo
+            )
         if scaled:  # h's products are done (wgmma waited): dh takes h's tile
             dqh, diag, dw = dqh
-            stage_state(dh_g, 1, dw)
+            with jax.named_scope("stage dh"):
+                stage_state(dh_g, 1, dw)
         else:
             dqh, diag = dqh
 
@@ -341,7 +344,8 @@ def _dqkw_ksplit_body(
             q = cp.load_tile(q_s).astype(f32)
             k = cp.load_tile(k_s).astype(f32)
             plgpu.commit_smem()  # also a warpgroup barrier: every thread has read k_s (xl_s)
-            dq = dq + dec.rows(dp_s, k, (x_s, xl_s), lo_s=dpl_s)
+            with jax.named_scope("dq intra"):
+                dq = dq + dec.rows(dp_s, k, (x_s, xl_s), lo_s=dpl_s)
             r1 = dq * q  # without the diagonal
             dq = dq + cp.bcast_rows(diag, (C, KH)) * k
             if group == 1:  # no value heads to sum: dq leaves in the io dtype (via the free x_s;
@@ -350,10 +354,12 @@ def _dqkw_ksplit_body(
                 emit_tile(dq.astype(dt), q_s if scaled else x_s, dq_g.at[b, rows, hv, kc])
             else:
                 emit_tile(dq, out_s, dq_g.at[b, rows, hv, kc])
-            dk = dec.cols(dp_s, q, (x_s, xl_s), lo_s=dpl_s)
+            with jax.named_scope("dk intra"):
+                dk = dec.cols(dp_s, q, (x_s, xl_s), lo_s=dpl_s)
             if not scaled:
                 plgpu.barrier_wait(bar2.at[5])
-            dks = _unstage(cp.matmul(vn_s, h_s.T, (C, KH)), sc_s, 1) * dec.e_last()  # state dk
+            with jax.named_scope("dk state"):
+                dks = _unstage(cp.matmul(vn_s, h_s.T, (C, KH)), sc_s, 1) * dec.e_last()
             last = jnp.sum(dks * k, axis=0)
             dk = dk + dks
             dG = r1 - dk * k
@@ -362,14 +368,15 @@ def _dqkw_ksplit_body(
             emit_tile(dG, out_s, dg_g.at[b, rows, hv, kc])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(
-            phase2,
-            cp.smem((C, KH), dt),  # q
-            # k, then the factored operand's lo
-            plgpu.RefUnion(cp.smem((C, KH), dt), product_smem((C, KH), odt)),
-            *decay_smem(C, KH),  # G, reference rows, G_last
-            cp.smem((C, KH), f32),  # f32 output staging
-        )
+        with jax.named_scope("phase 2"):
+            pl.run_scoped(
+                phase2,
+                cp.smem((C, KH), dt),  # q
+                # k, then the factored operand's lo
+                plgpu.RefUnion(cp.smem((C, KH), dt), product_smem((C, KH), odt)),
+                *decay_smem(C, KH),  # G, reference rows, G_last
+                cp.smem((C, KH), f32),  # f32 output staging
+            )
 
     f16 = ()
     if scaled:

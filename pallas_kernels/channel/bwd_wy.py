@@ -491,12 +491,17 @@ def _split_body(*refs, scalar: bool, group: int):
             )
 
         if V == 2 * H2:  # each CTA writes one V-half of dv, dw_gate
-            dA, _ = v_pass(other, False, None)
-            dA, dbe = v_pass(own, True, dA)
+            with jax.named_scope("v pass other"):
+                dA, _ = v_pass(other, False, None)
+            with jax.named_scope("v pass own"):
+                dA, dbe = v_pass(own, True, dA)
         else:  # V = 64: one pass over all of V in both CTAs; the first K-half's writes dv, dw_gate
-            dA, dbe = v_pass(pl.ds(0, H2), True, None, lead=kh == 0)
-        dA = k_pass(other, False, dA, None)
-        k_pass(own, True, dA, dbe)
+            with jax.named_scope("v pass own"):
+                dA, dbe = v_pass(pl.ds(0, H2), True, None, lead=kh == 0)
+        with jax.named_scope("k pass other"):
+            dA = k_pass(other, False, dA, None)
+        with jax.named_scope("k pass own"):
+            k_pass(own, True, dA, dbe)
 
     # one barrier per load: A, β (KDA), per V pass du hi/lo, v (and w_gate), per K pass k, G, dw
     # (and b), and the own K-half's reference rows and G_last

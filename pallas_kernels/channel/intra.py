@@ -208,6 +208,21 @@ class _Factored:
         return out if acc is None else [a + m for a, m in zip(acc, out, strict=True)]
 
 
+def _region(name: str):
+    """Decorates a pass function ``fn(p, ...)`` to run inside ``jax.named_scope(f"{name} {p}")``:
+    a region of the kernel's profile (:func:`pallas_kernels._compat.profile_regions`)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def scoped(p, *args):
+            with jax.named_scope(f"{name} {p}"):
+                return fn(p, *args)
+
+        return scoped
+
+    return wrap
+
+
 def _cols(p):
     """The p-th 64-column block of K or V."""
     return pl.ds(p * HALF, HALF)
@@ -274,6 +289,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         if scalar:
             bars.load([(be_g.at[b, hv, rows], be_s)])
 
+        @_region("L pass")
         def l_pass(p, L, k_s, g_s, gr_s, *rest):
             bk_s, ops = (None, rest) if scalar else (rest[0], rest[1:])
             srcs = [
@@ -323,8 +339,9 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                 [(v_g.at[b, rows, hv, _cols(p)], v_s[p]) for p in range(vpass)], wait=False
             )
             a_dst = a_g.at[b, rows, hv, :] if cfg.store_a else None
-            oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt).astype(dt)
-            plgpu.commit_smem()
+            with jax.named_scope("inverse"):
+                oy_s[...] = _wy_matrix(L, x_s, oy_s, a_dst, be_s, dt).astype(dt)
+                plgpu.commit_smem()
 
             n_out = [0]
 
@@ -339,23 +356,28 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                 plgpu.copy_smem_to_gmem(s, dst)
 
             w_op = lambda p: cp.matmul(oy_s, wop_s[p], (C, HALF))  # noqa: E731
-            if cfg.w_quant is None:
-                for p in range(kpass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
-                    put(w_op(p), w_g.at[b, rows, hv, _cols(p)])
-            else:  # QAT: a row's (the tile's) amax spans every K-half: form all, then quantise
-                ws = fake_quant_e4m3_tiles(
-                    tuple(w_op(p) for p in range(kpass)), W_QUANT[cfg.w_quant]
-                )
-                for p in range(kpass):
-                    put(ws[p], w_g.at[b, rows, hv, _cols(p)])
-            bars.wait(v_ids)
+            with jax.named_scope("w"):
+                if cfg.w_quant is None:
+                    for p in range(kpass):  # w = A (b ⊙ e^G ⊙ k), one K-half at a time
+                        put(w_op(p), w_g.at[b, rows, hv, _cols(p)])
+                else:  # QAT: a row's (the tile's) amax spans every K-half: form all, quantise
+                    ws = fake_quant_e4m3_tiles(
+                        tuple(w_op(p) for p in range(kpass)), W_QUANT[cfg.w_quant]
+                    )
+                    for p in range(kpass):
+                        put(ws[p], w_g.at[b, rows, hv, _cols(p)])
+            with jax.named_scope("v wait"):
+                bars.wait(v_ids)
             if scalar:  # w's products are done: its operand tiles take v's flags
-                if kpass == 1:  # (K = 64: U in the inverse scratch, once A's store has read it)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                v_flags(v_s, wop_s[0], wop_s[1] if kpass == 2 else x_s, first_s)
-            for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
-                put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
-            plgpu.wait_smem_to_gmem(0)
+                with jax.named_scope("v flags"):
+                    if kpass == 1:  # (K = 64: U in the inverse scratch, once A's store read it)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    v_flags(v_s, wop_s[0], wop_s[1] if kpass == 2 else x_s, first_s)
+            with jax.named_scope("u"):
+                for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
+                    put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
+            with jax.named_scope("drain"):
+                plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(tail, *late_tiles())
 
@@ -434,6 +456,7 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
     def outer(flag_s, bar):
         bars = Bars(bar)
 
+        @_region("Aqk pass")
         def p_pass(p, acc, q_s, k_s, g_s, gr_s, gl_s, row_s, col_s):
             P, flags = (None, None) if acc is None else acc
             bars.load(
@@ -498,7 +521,8 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
             plgpu.copy_smem_to_gmem(st_s, aqk_g.at[b, rows, hv, :])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(store_aqk, cp.smem((C, C), dt))
+        with jax.named_scope("store Aqk"):
+            pl.run_scoped(store_aqk, cp.smem((C, C), dt))
 
     pl.run_scoped(
         outer,
