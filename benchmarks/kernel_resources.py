@@ -145,7 +145,9 @@ def measure(variant: str, dtype: str, mode: str) -> tuple[list[dict], dict]:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-4000:]}")
         launches = json.loads(out.stdout.strip().splitlines()[-1])
         ptxas = {p.stem: parse_ptxas(p.read_text()) for p in Path(dump).glob("*.ptxas")}
-        sass = {p.stem: sass_opcodes(p.read_text()) for p in Path(dump).glob("*.sass")}
+        sass = {}  # Mosaic GPU writes the listing as .sass_ctrl (with control codes) or .sass
+        for p in [*Path(dump).glob("*.sass_ctrl"), *Path(dump).glob("*.sass")]:
+            sass.setdefault(p.stem, sass_opcodes(p.read_text()))
     return rows_for(variant, dtype, mode, launches, ptxas, sass), sass
 
 

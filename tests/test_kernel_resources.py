@@ -39,16 +39,17 @@ SASS = """
         /*0020*/              @!P0 BRA `(.L_x_1) ;
         /*0030*/               @P1 MUFU.EX2 R5, R5 ;
         /*0040*/                   HGMMA.64x16x8.F32.TF32 R24, gdesc[UR4], R24 ;
+   -:-:-:Y:04        /*0050*/                   FFMA R2, R3, R4, R5
         .L_x_1:
 """  # noqa: E501
 
 
 def test_sass_opcodes_counts_instructions_without_modifiers():
     ops = kr.sass_opcodes(SASS)
-    assert ops == {"LDC": 1, "MUFU": 2, "BRA": 1, "HGMMA": 1}
+    assert ops == {"LDC": 1, "MUFU": 2, "BRA": 1, "HGMMA": 1, "FFMA": 1}  # .sass and .sass_ctrl
     rows = kr.rows_for("kda", "float16", "fwd", {"k": {"smem": 1000, "threads": 128}}, {},
                        {"k": ops})  # fmt: skip
-    assert rows[0]["instructions"] == 5
+    assert rows[0]["instructions"] == 6
 
 
 @pytest.mark.parametrize(
