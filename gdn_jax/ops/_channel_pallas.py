@@ -193,7 +193,7 @@ def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta
     with cfg.kernels():
         bk = kernel_beta(b) if cfg.scalar_beta else b
         products, flags = channel_intra(q, k, v, G, bk, w, plan.intra_config())
-        nan_from, end = loop_poison(flags.k_bad, flags.v_first, lanes, meta, V)
+        nan_from, end = loop_poison(flags.k_bad, None, lanes, meta, V)
         nan_rows = flags.q_nan
         if lanes is not None and lanes.nan_rows is not None:
             nan_rows = nan_rows + lanes.nan_rows
@@ -328,9 +328,9 @@ def channel_pallas(
       scale, initial_state ([N, HV, K, V] f32 or None), output_final_state, use_qk_l2norm,
       cu_seqlens ([N + 1] int32, B == 1), chunk_size (64): as the public ops.
       qat: optional FP8 fake quantisation of w and the chunk-entering states (fused).
-      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison` of what the kernels do not read
-        (the gates, GDN2's v; q and k under the L2 norm), or None. The chunk loop puts it into o,
-        with the bad values the kernels find in q, k, g (and KDA's v), as it stores o; the final
+      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison` of what the kernels do not flag
+        (the gates, v; q and k under the L2 norm), or None. The chunk loop puts it into o,
+        with the bad values the kernels find in q, k, g, as it stores o; the final
         state gets the kernels' part (the op adds its own).
       segments: how many segments the forward's state loop cuts each lane into (run in
         parallel); None: :func:`gdn_jax.ops._segments.segment_count` of the lanes and the

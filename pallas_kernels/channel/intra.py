@@ -78,7 +78,6 @@ from pallas_kernels._tiles import (
     chunk_coords,
     ex2_exp,
     finite,
-    first_bad_rows,
     nonfinite,
     per_chunk_kernel,
 )
@@ -232,7 +231,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
     """One CTA per (chunk, value head, batch row): L → A = (I + L)⁻¹ → w, u (and A when
     ``store_a``).
 
-    Refs: KDA (k, v, G, gr, β | w, u[, A], v_first); GDN2 (k, bk, vw, G, gr | w, u[, A]) with
+    Refs: KDA (k, v, G, gr, β | w, u[, A]); GDN2 (k, bk, vw, G, gr | w, u[, A]) with
     the gated operands bk = b ⊙ k and vw = w_gate ⊙ v formed by :func:`channel_intra` (io dtype,
     per value head), so GDN2's CTA loads 16-bit tiles where it would load the f32 gates, and its u
     is a plain product.
@@ -250,15 +249,19 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                  then the output staging, 2 × [C, 64]; β (KDA); the barriers
       L pass:    k [C, 64], G [C, 64] f32, reference rows [4, 64] f32, bk [C, 64] (GDN2)
       tail:      v (GDN2: vw) 2 × [C, 64], loaded after the L passes (it overlaps the inverse
-                 and w); the inverse scratch x, oy [C, C]; v's first bad rows (KDA); f16 io:
-                 the output staging 2 × [C, 64]
+                 and w); the inverse scratch x, oy [C, C]; f16 io: the output staging
+                 2 × [C, 64]
 
     Mosaic's count when lowering, bf16: 69 704 B (KDA) / 66 640 B (GDN2), within a third of an
     SM (tests/pallas/test_channel_pallas.py::test_lowers_for_cuda checks each kernel's count
     against its plan's budget); at 232 / 202 registers a thread two CTAs run per SM (module
-    docstring). KDA's v flags
-    (:func:`first_bad_rows`) take w's operand tiles once w's products are done (K = 64: the
-    second one is the inverse scratch, after A's store has read it).
+    docstring).
+
+    KDA reads v raw: its non-finite values become 0 in place once v has landed (each thread
+    rewrites the elements it reads). Where v's bad values are, the op's XLA flags say
+    (:func:`gdn_jax.ops._sanitize.poison`, as for GDN2's v): finding them here (a 0/1 tile
+    and a 64 × 64 × 64 product per V-half) cost the f16 kernel 1.7× its time on an H100
+    (``benchmarks/kernel_regions.py``: every region of the kernel slowed, not only the flags').
 
     f16 io: the L operands are tf32, two [C, 64] f32 tiles in each pass's scope (the f16 staging
     tiles cannot hold them), so the output staging moves to the tail's scope: 75 848 B (KDA),
@@ -274,7 +277,6 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         be_g = None
     w_g, u_g = outs[:2]
     a_g = outs[2] if cfg.store_a else None
-    vfirst_g = outs[-1] if scalar else None
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
     kpass, vpass = k_g.shape[-1] // HALF, v_g.shape[-1] // HALF  # 64-column passes over K and V
@@ -332,7 +334,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         if scalar:
             L = L * cp.bcast_rows(cp.row_vec(be_s), (C, C))
 
-        def tail(v_s, x_s, oy_s, first_s, *own):
+        def tail(v_s, x_s, oy_s, *own):
             st_s = own[0] if wide else st_o
             # v is needed only for u at the end: its load overlaps the inverse and w
             v_ids = bars.load(
@@ -368,11 +370,11 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                         put(ws[p], w_g.at[b, rows, hv, _cols(p)])
             with jax.named_scope("v wait"):
                 bars.wait(v_ids)
-            if scalar:  # w's products are done: its operand tiles take v's flags
-                with jax.named_scope("v flags"):
-                    if kpass == 1:  # (K = 64: U in the inverse scratch, once A's store read it)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    v_flags(v_s, wop_s[0], wop_s[1] if kpass == 2 else x_s, first_s)
+            if scalar:  # KDA reads v raw: non-finite values as 0, in place
+                with jax.named_scope("v finite"):
+                    for p in range(vpass):
+                        v_s[p][...] = finite(cp.load_tile(v_s[p]).astype(f32)).astype(dt)
+                    plgpu.commit_smem()
             with jax.named_scope("u"):
                 for p in range(vpass):  # u = A (w_gate ⊙ v), one V-half at a time
                     put(cp.matmul(oy_s, v_s[p], (C, HALF)), u_g.at[b, rows, hv, _cols(p)])
@@ -381,29 +383,12 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
 
         pl.run_scoped(tail, *late_tiles())
 
-    def v_flags(v_s, bad_s, upper_s, first_s):
-        """KDA: per V-half, v's first bad row per column to ``v_first``
-        (:func:`pallas_kernels._tiles.first_bad_rows`, over 0/1 tiles in the io dtype, exact),
-        then v's non-finite values as 0, in place (each thread rewrites the elements it read)."""
-        upper = cp.iota((C, C), 0) <= cp.iota((C, C), 1)
-        upper_s[...] = jnp.where(upper, 1.0, 0.0).astype(dt)
-        for p in range(vpass):
-            raw = cp.load_tile(v_s[p]).astype(f32)
-            bad_s[...] = nonfinite(raw).astype(dt)
-            v_s[p][...] = finite(raw).astype(dt)
-            plgpu.commit_smem()
-            first_s.at[p][...] = first_bad_rows(bad_s, upper_s)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(first_s.at[p], vfirst_g.at[b, hv, c, _cols(p)])
-
     def late_tiles():
         """The tiles used only after the L passes: v (GDN2: vw) per V-half, the inverse scratch
-        (then the A staging, and A (KDA: A diag(β)) for w and u), the first bad rows of v (KDA),
-        and for f16 io the output staging (bf16 io stages its outputs through the L passes'
-        operand tiles)."""
+        (then the A staging, and A (KDA: A diag(β)) for w and u), and for f16 io the output
+        staging (bf16 io stages its outputs through the L passes' operand tiles)."""
         v_tiles = tuple(fp.tile() for _ in range(vpass))
-        first = cp.smem((vpass, HALF), f32, swizzled=False) if scalar else None
-        tiles = (v_tiles, cp.smem((C, C), dt), cp.smem((C, C), dt), first)
+        tiles = (v_tiles, cp.smem((C, C), dt), cp.smem((C, C), dt))
         return tiles + (((fp.tile(), fp.tile()),) if wide else ())
 
     wop_spec = tuple(fp.tile() for _ in range(kpass))  # w's right operand, per K-half
@@ -566,20 +551,18 @@ def gated_operands(k, v, b, w_gate) -> tuple[jax.Array, jax.Array]:
 
 
 class IntraFlags(NamedTuple):
-    """The raw inputs' bad values (NaN, ±inf) the intra kernels find as they load them (the
-    op's poison, :mod:`gdn_jax.ops._sanitize`).
+    """The raw q's and k's bad values (NaN, ±inf), which the intra kernels find as they load
+    them (the op's poison, :mod:`gdn_jax.ops._sanitize`; v's, which the wy kernel reads as 0,
+    the op's XLA flags find).
 
     Attributes:
       q_nan: [B, HV, T] f32, NaN on the rows of q (of each value head's q head) holding one,
         else 0: the chunk loop's per-row poison as is.
       k_bad: [B, HV, T] f32, 1.0 on the rows of k holding one, else 0.
-      v_first: KDA: [B, HV, T/64, V] f32, per chunk and value column the first row (0 … 63)
-        of v holding one, 64 where none does; GDN2 (whose v the XLA glue gates): None.
     """
 
     q_nan: jax.Array
     k_bad: jax.Array
-    v_first: jax.Array | None
 
 
 def channel_intra(
@@ -597,7 +580,7 @@ def channel_intra(
       q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero. Non-finite
         values read as 0 (and are flagged).
       v: [B, T, HV, V], same dtype; HV % H == 0; K, V ∈ {64, 128} (else NotImplementedError).
-        KDA: non-finite values read as 0 (and are flagged).
+        KDA: non-finite values read as 0 (the op's XLA flags find them).
       G: [B, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
         Padded rows zero.
@@ -634,8 +617,6 @@ def channel_intra(
     group = HV // H
     rows_flag = jax.ShapeDtypeStruct((B, HV, T), f32)
     wy_out = tuple(out_type[2:4]) + tuple(out_type[5:])
-    if config.scalar_beta:  # v's first bad row per chunk and column
-        wy_out += (jax.ShapeDtypeStruct((B, HV, chunks, V), f32),)
     wy = per_chunk_kernel(
         functools.partial(_wy_body, cfg=config, group=group),
         wy_out,
@@ -653,8 +634,8 @@ def channel_intra(
         name="chan_intra_qk",
     )
     if config.scalar_beta:
-        w, u, *a, v_first = wy(k, v, G, gr, b)
+        w, u, *a = wy(k, v, G, gr, b)
     else:
-        (w, u, *a), v_first = wy(k, *gated_operands(k, v, b, w_gate), G, gr), None
+        w, u, *a = wy(k, *gated_operands(k, v, b, w_gate), G, gr)
     qg, kg, aqk, q_nan, k_bad = qk(q, k, G, gr, gl)
-    return (qg, kg, w, u, aqk, *a), IntraFlags(q_nan, k_bad, v_first)
+    return (qg, kg, w, u, aqk, *a), IntraFlags(q_nan, k_bad)
