@@ -252,7 +252,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
                  and w); the inverse scratch x, oy [C, C]; f16 io: the output staging
                  2 × [C, 64]
 
-    Mosaic's count when lowering, bf16: 69 704 B (KDA) / 66 640 B (GDN2), within a third of an
+    Mosaic's count when lowering, bf16: 66 632 B (KDA) / 66 640 B (GDN2), within a third of an
     SM (tests/pallas/test_channel_pallas.py::test_lowers_for_cuda checks each kernel's count
     against its plan's budget); at 232 / 202 registers a thread two CTAs run per SM (module
     docstring).
