@@ -10,9 +10,7 @@ shape with K = V = 128), a child process lowers the pass and records per Mosaic 
 - ``smem``, ``threads``: Mosaic GPU's shared-memory count per CTA and the CTA's threads
   (:func:`pallas_kernels._compat.record_kernel_launches`);
 - on a GPU also ``registers``, ``stack``, ``spill_stores``, ``spill_loads`` (bytes per thread):
-  ptxas's report on the compiled kernel (Mosaic GPU's ``MOSAIC_GPU_DUMP_PTXAS`` dump), and
-  ``instructions``, the kernel's SASS instruction count (``MOSAIC_GPU_DUMP_SASS``): its code
-  size, against the SM's instruction caches;
+  ptxas's report on the compiled kernel (Mosaic GPU's ``MOSAIC_GPU_DUMP_PTXAS`` dump);
 - ``ctas_smem``, ``ctas_regs``, ``ctas``: the CTAs per SM that its shared memory, its registers
   and both allow on a Hopper SM (:func:`ctas_per_sm`).
 
@@ -24,7 +22,6 @@ registers need the GPU's ptxas. Rows go to ``benchmarks/results/kernels_<device>
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
 import os
@@ -45,7 +42,6 @@ SM_REGISTERS, WARP_REGISTER_UNIT = 65536, 256
 SM_THREADS, SM_CTAS = 2048, 32
 
 _USED = re.compile(r"Used (\d+) registers")
-_SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -70,12 +66,6 @@ def parse_ptxas(text: str) -> dict[str, int]:
     }
 
 
-def sass_opcodes(text: str) -> collections.Counter:
-    """How often each opcode (without its modifiers) occurs in a SASS listing (nvdisasm's
-    ``/*0040*/  @P0 HGMMA.64x64x16.F32 ...`` lines); its total is the instruction count."""
-    return collections.Counter(_SASS_OP.findall(text))
-
-
 def ctas_per_sm(
     smem: int, threads: int, registers: int | None = None
 ) -> tuple[int, int | None, int]:
@@ -90,13 +80,9 @@ def ctas_per_sm(
     return by_smem, by_regs, min(by_smem, by_regs)
 
 
-def rows_for(
-    variant: str, dtype: str, mode: str, launches: dict, ptxas: dict, sass: dict | None = None
-) -> list[dict]:
-    """One row per kernel from the child's ``launches`` ({name: {"smem", "threads"}}), the
-    ptxas reports ``ptxas`` ({name: :func:`parse_ptxas` dict}) and the SASS opcode counts
-    ``sass`` ({name: :func:`sass_opcodes`}); both empty without a GPU."""
-    sass = sass or {}
+def rows_for(variant: str, dtype: str, mode: str, launches: dict, ptxas: dict) -> list[dict]:
+    """One row per kernel from the child's ``launches`` ({name: {"smem", "threads"}}) and the
+    ptxas reports ``ptxas`` ({name: :func:`parse_ptxas` dict}; empty without a GPU)."""
     rows = []
     for name in sorted(launches):
         launch, report = launches[name], ptxas.get(name, {})
@@ -108,7 +94,6 @@ def rows_for(
             "threads": launch["threads"], "smem": launch["smem"],
             "registers": report.get("registers"), "stack": report.get("stack"),
             "spill_stores": report.get("spill_stores"), "spill_loads": report.get("spill_loads"),
-            "instructions": sum(sass[name].values()) if name in sass else None,
             "ctas_smem": by_smem, "ctas_regs": by_regs, "ctas": ctas,
         })  # fmt: skip
     return rows
@@ -132,23 +117,17 @@ def child(variant: str, dtype: str, mode: str) -> None:
     print(json.dumps({n: {"smem": k.smem, "threads": k.threads} for n, k in launches.items()}))
 
 
-def measure(variant: str, dtype: str, mode: str) -> tuple[list[dict], dict]:
-    """(the rows of one pass, {kernel: :func:`sass_opcodes`}), from a child process (its own
-    dump directory)."""
+def measure(variant: str, dtype: str, mode: str) -> list[dict]:
+    """The rows of one pass, from a child process (its own dump directory)."""
     with tempfile.TemporaryDirectory() as dump:
-        env = dict(
-            os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=dump
-        )
+        env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
         cmd = [sys.executable, __file__, "--child", variant, dtype, mode]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         if out.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-4000:]}")
         launches = json.loads(out.stdout.strip().splitlines()[-1])
         ptxas = {p.stem: parse_ptxas(p.read_text()) for p in Path(dump).glob("*.ptxas")}
-        sass = {}  # Mosaic GPU writes the listing as .sass_ctrl (with control codes) or .sass
-        for p in [*Path(dump).glob("*.sass_ctrl"), *Path(dump).glob("*.sass")]:
-            sass.setdefault(p.stem, sass_opcodes(p.read_text()))
-    return rows_for(variant, dtype, mode, launches, ptxas, sass), sass
+    return rows_for(variant, dtype, mode, launches, ptxas)
 
 
 def main(argv=None) -> int:
@@ -159,7 +138,6 @@ def main(argv=None) -> int:
     )
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--json", default="auto", help="topic file, 'auto' (GPU only) or 'none'")
-    p.add_argument("--opcodes", type=int, default=0, help="print each kernel's N commonest opcodes")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -172,13 +150,9 @@ def main(argv=None) -> int:
     for variant in a.variants:
         for dtype in a.dtypes:
             for mode in a.modes:
-                got, sass = measure(variant, dtype, mode)
-                rows += got
-                for name, ops in sorted(sass.items()) if a.opcodes else ():
-                    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(a.opcodes))
-                    print(f"{variant} {dtype} {mode} {name} ({sum(ops.values())}): {top}")
+                rows += measure(variant, dtype, mode)
     cols = ("variant", "dtype", "mode", "kernel", "threads", "smem", "registers",
-            "spill_stores", "instructions", "ctas_smem", "ctas_regs", "ctas")  # fmt: skip
+            "spill_stores", "ctas_smem", "ctas_regs", "ctas")  # fmt: skip
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]!s:>14}" for c in cols))

@@ -33,25 +33,6 @@ def test_parse_ptxas_reads_registers_and_spills():
         kr.parse_ptxas("ptxas info    : Compiling entry function 'x' for 'sm_90a'\n")
 
 
-SASS = """
-        /*0000*/                   LDC R1, c[0x0][0x28] ;                     /* 0x00000a00ff017b82 */
-        /*0010*/                   MUFU.EX2 R4, R4 ;
-        /*0020*/              @!P0 BRA `(.L_x_1) ;
-        /*0030*/               @P1 MUFU.EX2 R5, R5 ;
-        /*0040*/                   HGMMA.64x16x8.F32.TF32 R24, gdesc[UR4], R24 ;
-   -:-:-:Y:04        /*0050*/                   FFMA R2, R3, R4, R5
-        .L_x_1:
-"""  # noqa: E501
-
-
-def test_sass_opcodes_counts_instructions_without_modifiers():
-    ops = kr.sass_opcodes(SASS)
-    assert ops == {"LDC": 1, "MUFU": 2, "BRA": 1, "HGMMA": 1, "FFMA": 1}  # .sass and .sass_ctrl
-    rows = kr.rows_for("kda", "float16", "fwd", {"k": {"smem": 1000, "threads": 128}}, {},
-                       {"k": ops})  # fmt: skip
-    assert rows[0]["instructions"] == 6
-
-
 @pytest.mark.parametrize(
     "smem,threads,registers,expected",
     [
@@ -100,11 +81,9 @@ def test_rows_and_their_table():
 def test_cpu_run_lowers_the_kernels_and_counts_their_shared_memory():
     """Without a GPU the child lowers the pass for CUDA: every kernel of the KDA forward with its
     shared memory and threads, no registers."""
-    rows, sass = kr.measure("kda", "bfloat16", "fwd")
-    assert sass == {}
+    rows = kr.measure("kda", "bfloat16", "fwd")
     by = {r["kernel"]: r for r in rows}
     assert {"chan_intra_wy", "chan_intra_qk", "chan_chunk_fwd"} <= set(by), sorted(by)
     for r in rows:
         assert r["smem"] > 0 and r["threads"] % 128 == 0 and r["registers"] is None, r
-        assert r["instructions"] is None, r
         assert r["ctas"] == r["ctas_smem"] == kr.ctas_per_sm(r["smem"], r["threads"])[0]
