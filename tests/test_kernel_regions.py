@@ -88,5 +88,5 @@ def test_kernels_lower_with_the_profiler_and_their_regions(monkeypatch, tmp_path
         f, args = profile_ops.programs(variant, shape, "pallas", "float16")["fwd"]
         with pk.cuda_lowering_mesh():
             f.trace(*args).lower(lowering_platforms=("cuda",))
-    expected = {"L pass 0", "L pass 1", "inverse", "w", "v flags", "u", "Aqk pass 0", "Aqk pass 1"}
+    expected = {"L pass 0", "L pass 1", "inverse", "w", "v finite", "u", "Aqk pass 0", "Aqk pass 1"}
     assert expected <= names, sorted(names)
