@@ -9,10 +9,13 @@ each warpgroup stores the SM clock at the entry and exit of every ``jax.named_sc
 the kernel body (the channel intra kernels name their K passes and tail steps). The pass
 (:func:`profile_ops.programs`) runs once to compile, then once more to profile. Per kernel the tool
 prints, averaged over all warpgroups of the launch, each region's clock cycles and its share of
-the warpgroup's span (its first entry to its last exit): what a stage costs inside one CTA while
-the others share the SM, which the kernels' wall times (``profile_ops.py``) cannot split.
-Regions run back to back in one thread's program order; asynchronous work (TMA, wgmma) is
-charged to the region that waits for it. Needs a Hopper GPU.
+the warpgroup's span (its first entry to its last exit), and how often a warpgroup entered it:
+what a stage costs inside one CTA while the others share the SM, which the kernels' wall times
+(``profile_ops.py``) cannot split. Regions run back to back in one thread's program order;
+asynchronous work (TMA, wgmma) is charged to the region that waits for it. A warpgroup records
+its first ``--events`` entries and exits (the chunk loops name their per-step regions: their
+later steps are dropped, so a loop kernel's span covers the recorded steps). Needs a Hopper
+GPU.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ _TRACE = re.compile(r"(.+)-\d+-trace\.json$")
 
 
 def region_cycles(events: list[dict]) -> dict:
-    """``{"warpgroups", "span", "regions": {name: cycles}}`` of one kernel's Perfetto trace
-    events (Mosaic GPU's ``ProfilerSpec.dump``: per warpgroup ``tid``, ``B``/``E`` events whose
-    ``ts`` differences are clock cycles / 1000). ``span`` and each region's cycles are means over
-    the warpgroups; a region entered several times by a warpgroup counts all its entries.
+    """``{"warpgroups", "span", "regions": {name: cycles}, "entries": {name: count}}`` of one
+    kernel's Perfetto trace events (Mosaic GPU's ``ProfilerSpec.dump``: per warpgroup ``tid``,
+    ``B``/``E`` events whose ``ts`` differences are clock cycles / 1000). ``span``, each region's
+    cycles and its entries are means over the warpgroups that recorded anything; a region
+    entered several times by a warpgroup (a loop step's) counts all its recorded entries, so
+    cycles / entries is its cost per entry.
 
     Raises:
       ValueError: an exit without its entry, or an entry never left.
@@ -44,6 +49,7 @@ def region_cycles(events: list[dict]) -> dict:
     for e in events:
         by_tid[e["tid"]].append(e)
     totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     span = 0.0
     for tid, evs in by_tid.items():
         open_: list[dict] = []
@@ -54,13 +60,19 @@ def region_cycles(events: list[dict]) -> dict:
             if not open_ or open_[-1]["name"] != e["name"]:
                 raise ValueError(f"warpgroup {tid}: exit of {e['name']!r} without its entry")
             totals[e["name"]] += (e["ts"] - open_.pop()["ts"]) * 1e3
+            counts[e["name"]] += 1
         if open_:
             raise ValueError(f"warpgroup {tid}: {open_[-1]['name']!r} entered, never left")
         span += (max(e["ts"] for e in evs) - min(e["ts"] for e in evs)) * 1e3
     n = len(by_tid)
     if not n:
-        return {"warpgroups": 0, "span": 0.0, "regions": {}}
-    return {"warpgroups": n, "span": span / n, "regions": {k: v / n for k, v in totals.items()}}
+        return {"warpgroups": 0, "span": 0.0, "regions": {}, "entries": {}}
+    return {
+        "warpgroups": n,
+        "span": span / n,
+        "regions": {k: v / n for k, v in totals.items()},
+        "entries": {k: v / n for k, v in counts.items()},
+    }
 
 
 def read_traces(directory: Path) -> dict[str, dict]:
@@ -75,14 +87,16 @@ def read_traces(directory: Path) -> dict[str, dict]:
 
 
 def table(kernels: dict[str, dict]) -> str:
-    """The printed table: per kernel its span, then each region's cycles and share of it."""
-    lines = [f"{'kernel / region':40s} {'kcycles':>9s} {'share':>6s}"]
+    """The printed table: per kernel its span, then each region's cycles, share of the span and
+    entries per warpgroup."""
+    lines = [f"{'kernel / region':40s} {'kcycles':>9s} {'share':>6s} {'entries':>8s}"]
     for name in sorted(kernels):
         k = kernels[name]
         lines.append(f"{name:40s} {k['span'] / 1e3:9.2f}  ({k['warpgroups']} warpgroups)")
         for region, cyc in k["regions"].items():
             share = cyc / k["span"] if k["span"] else 0.0
-            lines.append(f"  {region:38s} {cyc / 1e3:9.2f} {share:6.1%}")
+            n = k["entries"][region]
+            lines.append(f"  {region:38s} {cyc / 1e3:9.2f} {share:6.1%} {n:8.1f}")
     return "\n".join(lines)
 
 

@@ -141,7 +141,9 @@ def kernel(
     profile = _PROFILE.get()
     params = None
     if profile is not None and interpret is None:
-        params = plgpu.CompilerParams(profile_space=profile[1], profile_dir=profile[0])
+        params = plgpu.CompilerParams(
+            profile_space=profile[1], profile_dir=profile[0], profile_bounds_check=True
+        )
     if not input_output_aliases:
         return plgpu.kernel(
             body,
@@ -403,7 +405,8 @@ class KernelLaunch:
 def profile_regions(directory: str, events: int = 64) -> Iterator[None]:
     """A context in which every Mosaic GPU kernel traced is built with Mosaic GPU's on-device
     profiler: each warpgroup records the clock at the entry and exit of every ``jax.named_scope``
-    region of the kernel body (``events`` entries and exits at most a warpgroup), and each run
+    region of the kernel body (the first ``events`` entries and exits of a warpgroup: a loop
+    kernel's later steps are dropped, not written past the buffer), and each run
     writes a Perfetto trace ``<name>-<time>-trace.json`` into ``directory``
     (``benchmarks/kernel_regions.py`` reads them). Off under the interpreter. The profiler's
     buffer takes ``16 · events`` bytes of shared memory per warpgroup."""

@@ -34,8 +34,16 @@ def test_region_cycles_averages_over_warpgroups_and_nests():
     assert got["regions"]["pass 0"] == pytest.approx(300)
     assert got["regions"]["tail"] == pytest.approx(500)
     assert got["regions"]["w"] == pytest.approx(100)  # one warpgroup's 200 over two
+    assert got["entries"] == {"pass 0": 1.0, "tail": 1.0, "w": 0.5}
     table = kreg.table({"k": got})
     assert "pass 0" in table and "37.5%" in table  # 300 of 800
+
+
+def test_region_cycles_counts_a_loop_regions_entries():
+    steps = [(("B", 100 * i), ("E", 100 * i + 40)) for i in range(3)]
+    events = [ev("step", ph, t) for step in steps for ph, t in step]
+    got = kreg.region_cycles(events)
+    assert got["regions"]["step"] == pytest.approx(120) and got["entries"]["step"] == 3
 
 
 def test_region_cycles_refuses_unbalanced_traces():
@@ -89,4 +97,27 @@ def test_kernels_lower_with_the_profiler_and_their_regions(monkeypatch, tmp_path
         with pk.cuda_lowering_mesh():
             f.trace(*args).lower(lowering_platforms=("cuda",))
     expected = {"L pass 0", "L pass 1", "inverse", "w", "v finite", "u", "Aqk pass 0", "Aqk pass 1"}
+    # the chunk loop's per-step regions (its roles run inside a cond in the pipeline's body)
+    expected |= {"state: stage S", "state: v_new", "state: update", "output: wait ready"}
+    assert expected <= names, sorted(names)
+
+
+def test_gdn_segment_loops_lower_with_their_regions(monkeypatch, tmp_path):
+    """GDN at B1 T8192 (the split loop's segment pass and chunk loop) lowered for CUDA inside
+    ``profile_regions`` interns the per-step regions of both loops."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    names = set()
+    intern = profiler.ProfilerSpec.intern_name
+    monkeypatch.setattr(
+        profiler.ProfilerSpec, "intern_name", lambda self, n: names.add(n) or intern(self, n)
+    )
+    if jax.default_backend() != "gpu":
+        monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
+    variant, shape = profile_ops.parse_case("gdn:B1_T8192_H2_HV2_D128")
+    with pk.profile_regions(str(tmp_path), 64):
+        f, args = profile_ops.programs(variant, shape, "pallas")["fwd"]
+        with pk.cuda_lowering_mesh():
+            f.trace(*args).lower(lowering_platforms=("cuda",))
+    expected = {"map: stage S", "map: v_new", "map: update", "state: stage S", "state: update"}
     assert expected <= names, sorted(names)

@@ -95,21 +95,24 @@ def _map_body(
                 # the op's raw k: non-finite values read as 0 (a NaN state would survive a
                 # packed lane's wipe gate, 0 · NaN, into the next sequence)
                 k_s[...] = finite(cp.load_tile(k_s).astype(f32)).astype(dt)
-            unstage = stage_columns(S, s_s, scaled)
-            plgpu.commit_smem()
-            ws = unstage(cp.matmul(w_s, s_s, (C, BV)))
-            v_new = jnp.where(keep_u, u_s[...].astype(f32), 0.0) - ws
-            if channel:  # kg is decayed to the chunk's end already; the state decays per row
-                vd_s[...] = v_new.astype(dt)
+            with jax.named_scope("map: stage S"):
+                unstage = stage_columns(S, s_s, scaled)
                 plgpu.commit_smem()
-                decay = cp.bcast_rows(cp.row_vec(g_s), (K, BV))
-                return S * decay + cp.matmul(k_s.T, vd_s, (K, BV))
-            g_r = cp.row_vec(g_s)
-            g_last = g_s[C - 1]
-            vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
-            vd_s[...] = vd.astype(dt)
-            plgpu.commit_smem()
-            return S * jnp.exp(g_last) + cp.matmul(k_s.T, vd_s, (K, BV))
+            with jax.named_scope("map: v_new"):
+                ws = unstage(cp.matmul(w_s, s_s, (C, BV)))
+                v_new = jnp.where(keep_u, u_s[...].astype(f32), 0.0) - ws
+            with jax.named_scope("map: update"):
+                if channel:  # kg is decayed to the chunk's end already; the state decays per row
+                    vd_s[...] = v_new.astype(dt)
+                    plgpu.commit_smem()
+                    decay = cp.bcast_rows(cp.row_vec(g_s), (K, BV))
+                    return S * decay + cp.matmul(k_s.T, vd_s, (K, BV))
+                g_r = cp.row_vec(g_s)
+                g_last = g_s[C - 1]
+                vd = v_new * cp.bcast_rows(jnp.exp(g_last - g_r), (C, BV))
+                vd_s[...] = vd.astype(dt)
+                plgpu.commit_smem()
+                return S * jnp.exp(g_last) + cp.matmul(k_s.T, vd_s, (K, BV))
 
         tile = lambda n: dict(dtype=dt, cols=n)  # noqa: E731
         specs = [

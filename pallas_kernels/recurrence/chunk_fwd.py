@@ -312,28 +312,32 @@ def _fwd_body(
 
                 @pl.when(c >= slots)
                 def _():
-                    plgpu.barrier_wait(free.at[slot])
+                    with jax.named_scope("state: wait free"):
+                        plgpu.barrier_wait(free.at[slot])
 
-                unstage = stage_columns(S, s_ref, scaled, scales=sc_ref)
-                plgpu.commit_smem()
-                v_new = t.u[...].astype(f32) - unstage(cp.matmul(t.w, s_ref, (C, BV)))
-                vn_ref[...] = v_new.astype(dt)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ready.at[slot])
-                if channel:
-                    decay = cp.bcast_rows(cp.row_vec(t.g), (K, BV))
-                    S = S * decay + cp.matmul(t.k.T, vn_ref, (K, BV))
-                else:
-                    # the update's keys k ⊙ e^{G_last − G}, from the op's raw k with non-finite
-                    # values read as 0 (a NaN state would survive a packed lane's wipe gate,
-                    # 0 · NaN, into the next sequence), in a tile of their own: the output role
-                    # reads the raw tile meanwhile
-                    g_r = cp.row_vec(t.g)
-                    g_last = t.g[C - 1]
-                    kd = finite(cp.load_tile(t.k).astype(f32))
-                    kd_s[...] = (kd * cp.bcast_rows(jnp.exp(g_last - g_r), (C, K))).astype(dt)
+                with jax.named_scope("state: stage S"):
+                    unstage = stage_columns(S, s_ref, scaled, scales=sc_ref)
                     plgpu.commit_smem()
-                    S = S * jnp.exp(g_last) + cp.matmul(kd_s.T, vn_ref, (K, BV))
+                with jax.named_scope("state: v_new"):
+                    v_new = t.u[...].astype(f32) - unstage(cp.matmul(t.w, s_ref, (C, BV)))
+                    vn_ref[...] = v_new.astype(dt)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ready.at[slot])
+                with jax.named_scope("state: update"):
+                    if channel:
+                        decay = cp.bcast_rows(cp.row_vec(t.g), (K, BV))
+                        S = S * decay + cp.matmul(t.k.T, vn_ref, (K, BV))
+                    else:
+                        # the update's keys k ⊙ e^{G_last − G}, from the op's raw k with non-finite
+                        # values read as 0 (a NaN state would survive a packed lane's wipe gate,
+                        # 0 · NaN, into the next sequence), in a tile of their own: the output role
+                        # reads the raw tile meanwhile
+                        g_r = cp.row_vec(t.g)
+                        g_last = t.g[C - 1]
+                        kd = finite(cp.load_tile(t.k).astype(f32))
+                        kd_s[...] = (kd * cp.bcast_rows(jnp.exp(g_last - g_r), (C, K))).astype(dt)
+                        plgpu.commit_smem()
+                        S = S * jnp.exp(g_last) + cp.matmul(kd_s.T, vn_ref, (K, BV))
                 if packed:  # a sequence's last chunk writes its end state
                     store_final_state(t.m[1], S, st_s, r.ht, hv, cols)
                 return cp.to_wgmma(S)
@@ -359,7 +363,8 @@ def _fwd_body(
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     p_s[...] = p.astype(dt)
                     plgpu.commit_smem()
-                plgpu.barrier_wait(ready.at[slot])
+                with jax.named_scope("output: wait ready"):
+                    plgpu.barrier_wait(ready.at[slot])
                 o_inter = unstage(cp.matmul(t.q, s_ref, (C, BV)))
                 if not channel:  # (the channel loop's qg is decayed already)
                     o_inter = o_inter * cp.bcast_rows(jnp.exp(g_r), (C, BV))
