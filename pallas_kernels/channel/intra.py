@@ -5,8 +5,8 @@ Two kernels, each one CTA (one warpgroup) per (chunk, value head, batch row): ``
 The two share nothing but G and k; as separate kernels each gets its own register allocation and
 shared-memory footprint instead of the larger of the two. Shared memory would let four qk and
 three wy CTAs share an SM with bf16 io (f16: three qk, three (KDA) or two (GDN2) wy), but
-registers hold both kernels to two: ptxas gives qk 255 registers a thread (with spills) and wy
-202–242 at K = V = 128 (``benchmarks/kernel_resources.py``, RESULTS.md's kernel resources), and
+registers hold both kernels to two: ptxas gives qk 255 registers a thread (with spills) and
+GDN2's wy 202 (bf16) / 229 (f16) at K = V = 128 (``benchmarks/kernel_resources.py``), and
 three CTAs of one warpgroup need at most 168. Per chunk of
 C = 64 rows, with G the chunk-local cumulative log-decay per key channel ([C, K], natural log,
 f32), b the erase gate and w_gate the write gate (KDA: b = w_gate = β per token), they compute
@@ -254,8 +254,8 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
 
     Mosaic's count when lowering, bf16: 66 632 B (KDA) / 66 640 B (GDN2), within a third of an
     SM (tests/pallas/test_channel_pallas.py::test_lowers_for_cuda checks each kernel's count
-    against its plan's budget); at 232 / 202 registers a thread two CTAs run per SM (module
-    docstring).
+    against its plan's budget); registers allow two CTAs per SM (GDN2: 202 a thread;
+    ``benchmarks/kernel_resources.py``).
 
     KDA reads v raw: its non-finite values become 0 in place once v has landed (each thread
     rewrites the elements it reads). Where v's bad values are, the op's XLA flags say
@@ -265,7 +265,7 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
 
     f16 io: the L operands are tf32, two [C, 64] f32 tiles in each pass's scope (the f16 staging
     tiles cannot hold them), so the output staging moves to the tail's scope: 75 848 B (KDA),
-    a third of an SM; 83 024 B (GDN2, whose pass also holds bk), under half. Registers (242 /
+    a third of an SM; 83 024 B (GDN2, whose pass also holds bk), under half. Registers (GDN2:
     229 a thread) allow two CTAs per SM either way.
     """
     scalar = cfg.scalar_beta
