@@ -305,9 +305,9 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
 @jax.jit
 def poison_flags(v, heads, log_decays, cols):
     """The public op's edge-value work in XLA on the pallas path (:func:`gdn_jax.ops._sanitize.
-    poison`): the flags of what XLA reads itself (the gates; GDN2's v, which it gates) and the
-    first bad token per head and value column. The kernels find the other inputs' bad values as
-    they load them and add the NaN to o themselves."""
+    poison`): the flags of what the kernels do not flag (GDN: the gates; KDA, GDN2: the gates
+    and v) and the first bad token per head and value column. The kernels find the other inputs'
+    bad values as they load them and add the NaN to o themselves."""
     from gdn_jax.ops import _sanitize
 
     return _sanitize.poison(v.shape, None, heads=heads, log_decays=log_decays, cols=cols)
@@ -499,7 +499,7 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     # (gdn_jax/ops/_sanitize.py, gdn_jax/ops/_channel_pallas.py) around the kernels
     g_raw = jnp.asarray(x["g"])
     heads = (jnp.asarray(x["beta"]),) if scalar else (jnp.asarray(x["b"]),)
-    cols = () if scalar else (v, jnp.asarray(x["w"]))
+    cols = (v,) if scalar else (v, jnp.asarray(x["w"]))
     cumsum = jax.jit(lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY))
     clamped = lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY)[0]  # noqa: E731
     cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(clamped, g)[1](dG)[0])
