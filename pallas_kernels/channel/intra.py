@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,7 @@ from pallas_kernels._tiles import (
     chunk_coords,
     ex2_exp,
     finite,
+    nonfinite,
     per_chunk_kernel,
 )
 from pallas_kernels.channel.bwd_decay import (
@@ -406,10 +408,11 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         pl.run_scoped(outer, wop_spec, st_spec, be_spec, bar_spec)
 
 
-def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
-    """One CTA per (chunk, value head, batch row): Aqk, qg, kg from the raw q and k, whose
-    non-finite values read as 0 (where they are, the op's XLA flags say:
-    :func:`gdn_jax.ops._sanitize.poison`).
+def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, group: int):
+    """One CTA per (chunk, value head, batch row): Aqk, qg, kg, and the rows of the raw q and k
+    holding NaN or ±inf (the op's poison, :mod:`gdn_jax.ops._sanitize`, from the loads the
+    products make anyway: a row reduction of each tile in registers): ``qnan`` NaN on q's, else 0
+    (as the chunk loop adds it to o), ``kbad`` 1.0 on k's, else 0.
 
     Aqk is contracted over K in K/64 passes of 64 columns, as L in :func:`_wy_body`. Once a
     pass's products have read q and k, qg = q e^{G} and kg = k e^{G_last − G} overwrite them in
@@ -419,14 +422,15 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
 
     SMEM bytes at K = 128 (Mosaic GPU rounds every allocation up to 1 KiB; barriers 8 B each):
 
-      always:    10 barriers
+      always:    flag rows [2, C] f32 1024; 10 barriers
       pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 1024; the
                  factored row / column operands 2 × [C, 64]: bf16 io 16384, f16 io f32 (tf32)
                  32768
       then:      Aqk staging [C, C] 8192
 
-    Mosaic's count is 51 280 B with bf16 io (a quarter of an SM) and 67 664 B with f16 io (a
-    third); registers allow two CTAs per SM (module docstring).
+    With the row reductions' scratch, Mosaic's count is 54 352 B with bf16 io (a quarter of an
+    SM) and 70 736 B with f16 io (a third); at 255 registers a thread (with spills) two CTAs run
+    per SM (module docstring).
     """
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
@@ -434,11 +438,12 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
     dt = k_g.dtype
     fp = _Factored(dt)
 
-    def outer(bar):
+    def outer(flag_s, bar):
         bars = Bars(bar)
 
         @_region("Aqk pass")
-        def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s, row_s, col_s):
+        def p_pass(p, acc, q_s, k_s, g_s, gr_s, gl_s, row_s, col_s):
+            P, flags = (None, None) if acc is None else acc
             bars.load(
                 [
                     *decay_copies(
@@ -464,6 +469,10 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
             def k_f32():
                 return finite(cp.load_tile(k_s).astype(f32))
 
+            # the rows of these columns holding a bad value, [C] each, combined over the passes
+            bad = [jnp.max(nonfinite(cp.load_tile(x).astype(f32)), axis=1) for x in (q_s, k_s)]
+            if flags is not None:
+                bad = [jnp.maximum(a, f) for a, f in zip(bad, flags, strict=True)]
             P = fp.pass_products(dec, q_f32(), row_s, col_s, k_f32, P)
             # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1), in place
             q_s[...] = (q_f32() * ex2_exp(dec.G())).astype(dt)
@@ -473,9 +482,9 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
             plgpu.copy_smem_to_gmem(k_s, kg_g.at[b, rows, hv, _cols(p)])
             # the next pass's loads, or Aqk's staging, take this memory
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            return P
+            return P, bad
 
-        P = accumulate_passes(
+        P, (q_bad, k_bad) = accumulate_passes(
             p_pass,
             kpass,
             fp.tile(),  # q, then qg
@@ -483,6 +492,8 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
             *decay_smem(C, HALF),  # G, reference rows, G_last
             *fp.operand_tiles(),  # the factored row / column operands
         )
+        flag_s.at[0][...] = jnp.where(q_bad > 0.0, jnp.nan, 0.0)
+        flag_s.at[1][...] = k_bad
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
         P = jnp.where(row >= col, jnp.concatenate(P, axis=1), 0.0)
@@ -490,13 +501,19 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
         def store_aqk(st_s):
             st_s[...] = P.astype(dt)
             plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(flag_s.at[0], qnan_g.at[b, hv, rows])
+            plgpu.copy_smem_to_gmem(flag_s.at[1], kbad_g.at[b, hv, rows])
             plgpu.copy_smem_to_gmem(st_s, aqk_g.at[b, rows, hv, :])
             plgpu.wait_smem_to_gmem(0)
 
         with jax.named_scope("store Aqk"):
             pl.run_scoped(store_aqk, cp.smem((C, C), dt))
 
-    pl.run_scoped(outer, plgpu.Barrier(num_barriers=5 * kpass))
+    pl.run_scoped(
+        outer,
+        cp.smem((2, C), f32, swizzled=False),  # flag rows: q's NaN, k's bad rows
+        plgpu.Barrier(num_barriers=5 * kpass),
+    )
 
 
 def reference_rows(G: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -533,6 +550,21 @@ def gated_operands(k, v, b, w_gate) -> tuple[jax.Array, jax.Array]:
     return bk, vw
 
 
+class IntraFlags(NamedTuple):
+    """The raw q's and k's bad values (NaN, ±inf), which the intra kernels find as they load
+    them (the op's poison, :mod:`gdn_jax.ops._sanitize`; v's, which the wy kernel reads as 0,
+    the op's XLA flags find).
+
+    Attributes:
+      q_nan: [B, HV, T] f32, NaN on the rows of q (of each value head's q head) holding one,
+        else 0: the chunk loop's per-row poison as is.
+      k_bad: [B, HV, T] f32, 1.0 on the rows of k holding one, else 0.
+    """
+
+    q_nan: jax.Array
+    k_bad: jax.Array
+
+
 def channel_intra(
     q: jax.Array,
     k: jax.Array,
@@ -541,22 +573,24 @@ def channel_intra(
     b: jax.Array,
     w_gate: jax.Array | None,
     config: ChannelIntraConfig = ChannelIntraConfig(),
-) -> tuple[jax.Array, ...]:
+) -> tuple[tuple[jax.Array, ...], IntraFlags]:
     """Computes qg, kg, w, u, Aqk (and optionally A) for every chunk.
 
     Args:
-      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
+      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero. Non-finite
+        values read as 0 (and are flagged).
       v: [B, T, HV, V], same dtype; HV % H == 0; K, V ∈ {64, 128} (else NotImplementedError).
-        Non-finite values of q, k, v read as 0 (where they are, the op's XLA flags say).
+        KDA: non-finite values read as 0 (the op's XLA flags find them).
       G: [B, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
         Padded rows zero.
       w_gate: GDN2: [B, T, HV, V] f32 write gate (padded rows zero); KDA: None.
       config: :class:`ChannelIntraConfig`.
     Returns:
-      qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] = k e^{G_last − G}; w [B, T, HV, K];
-      u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c holds Aqk[t − 64c, :]); all in
-      k.dtype; if ``config.store_a`` also A [B, T, HV, 64] (same row layout).
+      (products, flags). products: qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] =
+      k e^{G_last − G}; w [B, T, HV, K]; u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c
+      holds Aqk[t − 64c, :]); all in k.dtype; if ``config.store_a`` also A [B, T, HV, 64] (same
+      row layout). flags: :class:`IntraFlags`.
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -581,6 +615,7 @@ def channel_intra(
 
     chunks = T // CHUNK
     group = HV // H
+    rows_flag = jax.ShapeDtypeStruct((B, HV, T), f32)
     wy_out = tuple(out_type[2:4]) + tuple(out_type[5:])
     wy = per_chunk_kernel(
         functools.partial(_wy_body, cfg=config, group=group),
@@ -592,7 +627,7 @@ def channel_intra(
     )
     qk = per_chunk_kernel(
         functools.partial(_qk_body, group=group),
-        (out_type[0], out_type[1], out_type[4]),
+        (out_type[0], out_type[1], out_type[4], rows_flag, rows_flag),
         chunks=chunks,
         HV=HV,
         B=B,
@@ -602,5 +637,5 @@ def channel_intra(
         w, u, *a = wy(k, v, G, gr, b)
     else:
         w, u, *a = wy(k, *gated_operands(k, v, b, w_gate), G, gr)
-    qg, kg, aqk = qk(q, k, G, gr, gl)
-    return (qg, kg, w, u, aqk, *a)
+    qg, kg, aqk, q_nan, k_bad = qk(q, k, G, gr, gl)
+    return (qg, kg, w, u, aqk, *a), IntraFlags(q_nan, k_bad)
