@@ -76,9 +76,10 @@ def test_profile_regions_validates_and_resets():
 
 
 def test_kernels_lower_with_the_profiler_and_their_regions(monkeypatch, tmp_path):
-    """Lowered for CUDA inside ``profile_regions``, the KDA f16 forward's kernels carry the
-    profiler, which interns the regions the intra kernels name. (The profiler's trace dump is a
-    host callback, which cannot lower for CUDA on a CPU backend: it is stubbed here.)"""
+    """Lowered for CUDA inside ``profile_regions``, the KDA f16 forward+backward's kernels carry
+    the profiler, which interns the regions the intra and backward kernels name. (The profiler's
+    trace dump is a host callback, which cannot lower for CUDA on a CPU backend: it is stubbed
+    here.)"""
     from jax.experimental.mosaic.gpu import profiler
 
     names = set()
@@ -93,10 +94,11 @@ def test_kernels_lower_with_the_profiler_and_their_regions(monkeypatch, tmp_path
         monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
     variant, shape = profile_ops.parse_case("kda:B1_T256_H2_HV2_D128")
     with pk.profile_regions(str(tmp_path), 64):
-        f, args = profile_ops.programs(variant, shape, "pallas", "float16")["fwd"]
+        f, args = profile_ops.programs(variant, shape, "pallas", "float16")["fwdbwd"]
         with pk.cuda_lowering_mesh():
             f.trace(*args).lower(lowering_platforms=("cuda",))
     expected = {"L pass 0", "L pass 1", "inverse", "w", "v finite", "u", "Aqk pass 0", "Aqk pass 1"}
+    expected |= {"k pass own", "dL", "dk cols", "dbk rows", "phase 2", "dq intra"}  # backward
     # the chunk loop's per-step regions (its roles run inside a cond in the pipeline's body)
     expected |= {"state: stage S", "state: v_new", "state: update", "output: wait ready"}
     assert expected <= names, sorted(names)

@@ -442,11 +442,13 @@ def _split_body(*refs, scalar: bool, group: int):
                     def k_tile():
                         return cp.load_tile(k_s).astype(f32)
 
-                    dkl = dec.cols(dl_s, gate_tile() * k_tile(), (ys_s, yl_s), lo_s=dll_s)
-                    st_s[...] = dkl  # read back below by the same threads, in the same layout
-                    plgpu.commit_smem()
-                    dbk = dec.rows(dl_s, k_tile(), (ys_s, yl_s), lo_s=dll_s)
-                    dbk = dbk + cp.matmul(a_s.T, dw_s, (C, H2)) * jnp.exp(cp.load_tile(g_s))
+                    with jax.named_scope("dk cols"):
+                        dkl = dec.cols(dl_s, gate_tile() * k_tile(), (ys_s, yl_s), lo_s=dll_s)
+                        st_s[...] = dkl  # read back below by the same threads, same layout
+                        plgpu.commit_smem()
+                    with jax.named_scope("dbk rows"):
+                        dbk = dec.rows(dl_s, k_tile(), (ys_s, yl_s), lo_s=dll_s)
+                        dbk = dbk + cp.matmul(a_s.T, dw_s, (C, H2)) * jnp.exp(cp.load_tile(g_s))
                     dkl = cp.load_tile(st_s)
                     k = k_tile()
                     gate = gate_tile()
@@ -467,10 +469,11 @@ def _split_body(*refs, scalar: bool, group: int):
                 dec = Decay(g_s, gr_s, gl_s, dt)  # [C, 64]: the decays of this K-half only
                 # dA's staging tile, then the decayed products' tiles (dL, f16: dL lo, and the
                 # factored operand) take turns in one space (the SMEM of two CTAs per SM)
-                dL = pl.run_scoped(
-                    lambda m_s: _neg_inverse_product(dec, m_s, a_s, dA_out),
-                    cp.smem((C, C), dt),
-                )
+                with jax.named_scope("dL"):
+                    dL = pl.run_scoped(
+                        lambda m_s: _neg_inverse_product(dec, m_s, a_s, dA_out),
+                        cp.smem((C, C), dt),
+                    )
                 pl.run_scoped(
                     lambda dl_s, dll_s, ys_s: tail(dl_s, dll_s, ys_s, dL),
                     product_smem((C, C), odt),  # dL (hi)
