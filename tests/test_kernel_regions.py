@@ -75,38 +75,11 @@ def test_profile_regions_validates_and_resets():
     assert pk._PROFILE.get() is None
 
 
-def test_kernels_lower_with_the_profiler_and_their_regions(monkeypatch, tmp_path):
-    """Lowered for CUDA inside ``profile_regions``, the KDA f16 forward+backward's kernels carry
-    the profiler, which interns the regions the intra and backward kernels name. (The profiler's
-    trace dump is a host callback, which cannot lower for CUDA on a CPU backend: it is stubbed
-    here.)"""
-    from jax.experimental.mosaic.gpu import profiler
-
-    names = set()
-    intern = profiler.ProfilerSpec.intern_name
-
-    def record(self, name):
-        names.add(name)
-        return intern(self, name)
-
-    monkeypatch.setattr(profiler.ProfilerSpec, "intern_name", record)
-    if jax.default_backend() != "gpu":
-        monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
-    variant, shape = profile_ops.parse_case("kda:B1_T256_H2_HV2_D128")
-    with pk.profile_regions(str(tmp_path), 64):
-        f, args = profile_ops.programs(variant, shape, "pallas", "float16")["fwdbwd"]
-        with pk.cuda_lowering_mesh():
-            f.trace(*args).lower(lowering_platforms=("cuda",))
-    expected = {"L pass 0", "L pass 1", "inverse", "w", "v finite", "u", "Aqk pass 0", "Aqk pass 1"}
-    expected |= {"k pass own", "dL", "dk cols", "dbk rows", "phase 2", "dq intra"}  # backward
-    # the chunk loop's per-step regions (its roles run inside a cond in the pipeline's body)
-    expected |= {"state: stage S", "state: v_new", "state: update", "output: wait ready"}
-    assert expected <= names, sorted(names)
-
-
-def test_gdn_segment_loops_lower_with_their_regions(monkeypatch, tmp_path):
-    """GDN at B1 T8192 (the split loop's segment pass and chunk loop) lowered for CUDA inside
-    ``profile_regions`` interns the per-step regions of both loops."""
+def interned_regions(monkeypatch, directory, case: str, dtype: str, mode: str) -> set[str]:
+    """The region names Mosaic GPU's profiler interns while the ``mode`` pass of ``case``
+    (:func:`profile_ops.parse_case`) is lowered for CUDA inside ``profile_regions``. (The
+    profiler's trace dump is a host callback, which cannot lower for CUDA on a CPU backend: it
+    is stubbed there.)"""
     from jax.experimental.mosaic.gpu import profiler
 
     names = set()
@@ -116,10 +89,28 @@ def test_gdn_segment_loops_lower_with_their_regions(monkeypatch, tmp_path):
     )
     if jax.default_backend() != "gpu":
         monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
-    variant, shape = profile_ops.parse_case("gdn:B1_T8192_H2_HV2_D128")
-    with pk.profile_regions(str(tmp_path), 64):
-        f, args = profile_ops.programs(variant, shape, "pallas")["fwd"]
+    variant, shape = profile_ops.parse_case(case)
+    with pk.profile_regions(str(directory), 64):
+        f, args = profile_ops.programs(variant, shape, "pallas", dtype)[mode]
         with pk.cuda_lowering_mesh():
             f.trace(*args).lower(lowering_platforms=("cuda",))
+    return names
+
+
+def test_kernels_lower_with_the_profiler_and_their_regions(monkeypatch, tmp_path):
+    """The KDA f16 forward+backward's kernels carry the profiler, which interns the regions the
+    intra, backward and chunk loop kernels name."""
+    names = interned_regions(monkeypatch, tmp_path, "kda:B1_T256_H2_HV2_D128", "float16", "fwdbwd")
+    expected = {"L pass 0", "L pass 1", "inverse", "w", "v finite", "u", "Aqk pass 0", "Aqk pass 1"}
+    expected |= {"k pass own", "dL", "dk cols", "dbk rows", "phase 2", "dq intra"}  # backward
+    # the chunk loop's per-step regions (its roles run inside a cond in the pipeline's body)
+    expected |= {"state: stage S", "state: v_new", "state: update", "output: wait ready"}
+    assert expected <= names, sorted(names)
+
+
+def test_gdn_segment_loops_lower_with_their_regions(monkeypatch, tmp_path):
+    """GDN at B1 T8192 (the split loop's segment pass and chunk loop) interns the per-step
+    regions of both loops."""
+    names = interned_regions(monkeypatch, tmp_path, "gdn:B1_T8192_H2_HV2_D128", "bfloat16", "fwd")
     expected = {"map: stage S", "map: v_new", "map: update", "state: stage S", "state: update"}
     assert expected <= names, sorted(names)
