@@ -303,14 +303,14 @@ def ops_rows(row: dict, qat: str | None = None) -> list[dict]:
 
 
 @jax.jit
-def poison_flags(v, heads, log_decays, cols):
+def poison_flags(v, rows, heads, log_decays, cols):
     """The public op's edge-value work in XLA on the pallas path (:func:`gdn_jax.ops._sanitize.
-    poison`): the flags of what the kernels do not flag (GDN: the gates; KDA, GDN2: the gates
-    and v) and the first bad token per head and value column. The kernels find the other inputs'
-    bad values as they load them and add the NaN to o themselves."""
+    poison`): the flags of what the kernels do not flag (GDN: the gates; KDA, GDN2: q, k, v and
+    the gates) and the first bad token per head and value column. The kernels read the inputs'
+    non-finite values as 0 (GDN's also find k's and v's) and the loops add the NaN to o."""
     from gdn_jax.ops import _sanitize
 
-    return _sanitize.poison(v.shape, None, heads=heads, log_decays=log_decays, cols=cols)
+    return _sanitize.poison(v.shape, None, rows=rows, heads=heads, log_decays=log_decays, cols=cols)
 
 
 def bench_stages(s, x) -> dict:
@@ -352,7 +352,7 @@ def bench_stages(s, x) -> dict:
     wy = jax.jit(lambda *a: bwd_wy(*a, dk_dtype=gdt))
     g_raw, b_raw = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
     return {
-        "poison_flags": time_jax(poison_flags, (v, (b_raw,), (g_raw,), ())),
+        "poison_flags": time_jax(poison_flags, (v, (), (b_raw,), (g_raw,), ())),
         "gdn_intra": time_jax(intra, (k, v, G, beta)),
         "gdn_intra(store_a)": time_jax(intra_a, (k, v, G, beta)),
         "gdn_chunk_fwd": time_jax(fwd, (q, k, w, u, G, h0)),
@@ -468,7 +468,7 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     plan = channel_plan(bf, K, s.V, scalar_beta=scalar, store_a=True)
     icfg = dataclasses.replace(plan.intra_config(), store_a=False)
     intra = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, icfg))
-    qg, kg, wk, u, aqk = intra(q, k, v, G, *gates)[0]
+    qg, kg, wk, u, aqk = intra(q, k, v, G, *gates)
     dl = decay_last(G)
     h0 = jnp.zeros((B, HV, K, s.V), jnp.float32)
     fwd = jax.jit(lambda *a: channel_chunk_fwd(*a, plan.fwd_config(scale)))
@@ -479,7 +479,7 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     # differentiated forward (stores A), then the backward kernels' inputs as the driver makes them
     acfg = plan.intra_config()
     intra_a = jax.jit(lambda q, k, v, G, b, w: channel_intra(q, k, v, G, b, w, acfg))
-    A = intra_a(q, k, v, G, *gates)[0][-1]
+    A = intra_a(q, k, v, G, *gates)[-1]
     hcfg = plan.fwd_config(scale, store_h=True)
     hrec = jax.jit(lambda kg, wk, u, dl, h0: channel_chunk_fwd(None, kg, wk, u, None, dl, h0, hcfg))
     h, vn = hrec(kg, wk, u, dl, h0)
@@ -498,14 +498,14 @@ def bench_channel_stages(s, x, variant, dtype="bfloat16") -> dict:
     # the public op's edge-value handling and the glue's gate clamp + chunk-local cumsum
     # (gdn_jax/ops/_sanitize.py, gdn_jax/ops/_channel_pallas.py) around the kernels
     g_raw = jnp.asarray(x["g"])
-    heads = (jnp.asarray(x["beta"]),) if scalar else (jnp.asarray(x["b"]),)
+    heads = (k, jnp.asarray(x["beta"]) if scalar else jnp.asarray(x["b"]))
     cols = (v,) if scalar else (v, jnp.asarray(x["w"]))
     cumsum = jax.jit(lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY))
     clamped = lambda g: lane_gate_cumsum(g, MIN_LOG_DECAY)[0]  # noqa: E731
     cumsum_bwd = jax.jit(lambda g, dG: jax.vjp(clamped, g)[1](dG)[0])
     wy_form = "k_split" if wcfg.k_split else "one_cta"
     times.update({
-        "poison_flags": time_jax(poison_flags, (v, heads, (), cols)),
+        "poison_flags": time_jax(poison_flags, (v, (q,), heads, (), cols)),
         "gate_clamp_cumsum": time_jax(cumsum, (g_raw,)),
         "gate_cumsum_bwd": time_jax(cumsum_bwd, (g_raw, g_raw)),
         "chan_intra(store_a)": time_jax(intra_a, (q, k, v, G, *gates)),

@@ -291,13 +291,12 @@ def _channel_op(variant, q, k, v, g, b, w, *, scale, initial_state, output_final
         _pallas_sees_layout(q, k, v, g, b, w, initial_state)
         # The channel kernels read non-finite q, k, v, b, w values as 0 and the glue clamps the
         # raw g (the sanitation's replacements, :func:`gdn_jax.ops._channel_pallas.
-        # channel_pallas`), and the kernels that read q, k, g find their bad values as they load
-        # them: XLA writes no sanitised copies and reduces only the flags of the rest (the gates,
-        # v, q and k for the L2 norm), and the chunk loop puts the NaN into o as it stores it.
-        found = dict(heads=(b,), cols=(v,) if kda_gates else (v, w))
-        if use_qk_l2norm:  # the glue's L2 norm reads (and sanitises) q and k in XLA
-            found.update(rows=(q,), heads=(k, b))
-        poison = _sanitize.poison(v.shape, cu_seqlens, **found)
+        # channel_pallas`); the gate cumsum finds g's bad values as it loads them. XLA writes
+        # no sanitised copies and reduces the flags of q, k, v and the gates, and the chunk
+        # loop puts the NaN into o as it stores it.
+        poison = _sanitize.poison(
+            v.shape, cu_seqlens, rows=(q,), heads=(k, b), cols=(v,) if kda_gates else (v, w)
+        )
         o, final = fn(
             *raw, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,

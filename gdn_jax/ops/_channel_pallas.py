@@ -26,14 +26,15 @@ the quantised w and h the forward used; the fake quant's gradient is the identit
 backward kernels themselves are unchanged (as the xla path's backward). Combinations the kernels
 do not fuse raise NotImplementedError (:func:`pallas_kernels.channel.plan.check_supported`).
 
-Non-finite inputs (:mod:`gdn_jax.ops._sanitize`): the kernels read the raw inputs, replace bad
-values by 0 and flag them as they load them: the intra kernels the rows of q and k and KDA's
-first bad row of v per chunk and column (:class:`pallas_kernels.channel.intra.IntraFlags`), the
-gate cumsum g's bad rows. :func:`gdn_jax.ops._pallas_common.loop_poison` turns those, with the
-op's flags of what XLA reads (the gates, GDN2's v, q and k under the L2 norm:
-:class:`~gdn_jax.ops._pallas_common.LaneFlags`), into the chunk loop's poison inputs (per-chunk
-first rows, a prefix min along each sequence) and the final state's NaN: no pass of their own
-over q, k, v or g.
+Non-finite inputs (:mod:`gdn_jax.ops._sanitize`): the kernels read the raw inputs and replace
+bad values by 0 as they load them; the gate cumsum also flags g's bad rows.
+:func:`gdn_jax.ops._pallas_common.loop_poison` turns those, with the op's flags of q, k, v and
+the gates (XLA reductions, :class:`~gdn_jax.ops._pallas_common.LaneFlags`), into the chunk
+loop's poison inputs (per-chunk first rows, a prefix min along each sequence) and the final
+state's NaN. The intra kernels flag nothing: code that found bad rows inside them slowed the
+whole f16 kernels, wy 1.7× and qk 1.37× (KDA B4 T4096 H16, cycles per CTA,
+``benchmarks/kernel_regions.py``; bf16 qk 1.06×), and with the L2 norm XLA reads q and k
+anyway.
 
 Which form of each kernel stage runs (split intra, K-split backward kernels, ...) is decided by
 one plan per call, :func:`pallas_kernels.channel.plan.channel_plan` (its docstring gives the
@@ -186,18 +187,22 @@ def core_plan(cfg: ChannelConfig, q: jax.Array, v: jax.Array, *, store_a: bool) 
 def _forward(cfg: ChannelConfig, with_products: bool, q, k, v, G, b, w, h0, meta=None, lanes=None):
     """(o, final state, products): products are the intra kernel's ``(qg, kg, wk, u, Aqk, A)``
     (the backward's inputs, A stored by the kernel) when ``with_products``, else None. o gets
-    the op's NaN (from the kernels' flags and ``lanes``, a :class:`LaneFlags`) as the chunk
-    loop stores it, the final state in the heads and columns it poisons."""
+    the op's NaN (``lanes``, a :class:`LaneFlags`: the op's flags and the gate cumsum's) as the
+    chunk loop stores it, the final state in the heads and columns the gate cumsum's flags
+    poison (the op adds its own)."""
     plan = core_plan(cfg, q, v, store_a=with_products)
     V = v.shape[-1]
     with cfg.kernels():
         bk = kernel_beta(b) if cfg.scalar_beta else b
-        products, flags = channel_intra(q, k, v, G, bk, w, plan.intra_config())
-        nan_from, end = loop_poison(flags.k_bad, None, lanes, meta, V)
-        nan_rows = flags.q_nan
-        if lanes is not None and lanes.nan_rows is not None:
-            nan_rows = nan_rows + lanes.nan_rows
-        poison = (nan_rows, nan_from)
+        products = channel_intra(q, k, v, G, bk, w, plan.intra_config())
+        # the kernels read non-finite q, k, v as 0; where they were, the op's flags say
+        nan_from, end = loop_poison(None, None, lanes, meta, V)
+        poison = None
+        if nan_from is not None:
+            nan_rows = None if lanes is None else lanes.nan_rows
+            if nan_rows is None:  # (no bad q flagged: the loop still takes the row vector)
+                nan_rows = jnp.zeros((v.shape[0], v.shape[2], v.shape[1]), f32)
+            poison = (nan_rows, nan_from)
         qg, kg, wk, u, aqk = products[:5]
         dl, fcfg = decay_last(G), plan.fwd_config(cfg.scale)
         S = cfg.segments
@@ -328,9 +333,9 @@ def channel_pallas(
       scale, initial_state ([N, HV, K, V] f32 or None), output_final_state, use_qk_l2norm,
       cu_seqlens ([N + 1] int32, B == 1), chunk_size (64): as the public ops.
       qat: optional FP8 fake quantisation of w and the chunk-entering states (fused).
-      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison` of what the kernels do not flag
-        (the gates, v; q and k under the L2 norm), or None. The chunk loop puts it into o,
-        with the bad values the kernels find in q, k, g, as it stores o; the final
+      poison: the op's :class:`~gdn_jax.ops._sanitize.Poison` of q, k, v and the gates (the
+        kernels read their non-finite values as 0), or None. The chunk loop puts it into o,
+        with the bad values the gate cumsum finds in g, as it stores o; the final
         state gets the kernels' part (the op adds its own).
       segments: how many segments the forward's state loop cuts each lane into (run in
         parallel); None: :func:`gdn_jax.ops._segments.segment_count` of the lanes and the
@@ -382,11 +387,11 @@ def channel_pallas(
     if cu_seqlens is None:  # one zero-padded lane per batch row
         Tp = -(-T // CHUNK) * CHUNK
         xp = padded_lanes(xs, None, T, Tp)
-        lp = lane_poison(poison, None, T, Tp, q_rows=use_qk_l2norm)
+        lp = lane_poison(poison, None, T, Tp, q_rows=True)
         nan_rows, nan_from = lp or (None, None)
     else:  # all sequences back to back on one lane, each starting at a chunk boundary
         xp, layout = one_lane(xs, cu_seqlens, T, segments)
-        lp = lane_poison(poison, cu_seqlens, T, 0, layout, q_rows=use_qk_l2norm)
+        lp = lane_poison(poison, cu_seqlens, T, 0, layout, q_rows=True)
         nan_rows, nan_from = lp or (None, None)
         chunk_seq = layout.seq[0]
         if initial_state is None and not output_final_state:  # the state wiped at each start

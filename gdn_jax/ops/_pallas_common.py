@@ -13,6 +13,7 @@ by the chunk loops from a per-chunk table of sequence ids (:func:`packed_meta`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -232,15 +233,15 @@ def lane_poison(
 
 class LaneFlags(NamedTuple):
     """A core's poison inputs (:mod:`gdn_jax.ops._sanitize`) besides those its kernels find
-    as they load the raw inputs (k's bad rows, v's first bad row per column (GDN, KDA); the
-    channel intra's q rows), on the lanes (L lanes of nc chunks).
+    as they load the raw inputs (GDN: k's bad rows, v's first bad row per column), on the lanes
+    (L lanes of nc chunks).
 
     Attributes:
-      nan_rows: [L, HV, Tp] f32 or None: NaN on the rows of a bad q the channel kernels do not
-        see (the glue's L2 norm reads q), else 0 (GDN's chunk loop finds them itself).
+      nan_rows: [L, HV, Tp] f32 or None: NaN on the rows of a bad q (the channel cores'; GDN's
+        chunk loop finds them itself), else 0.
       nan_from: [L, HV, nc, V] f32 or None: per chunk, the row from which each value column is
-        NaN for the inputs the kernels do not read (the gates, GDN2's v, k under the L2 norm;
-        :func:`lane_poison`), 64 where it is not.
+        NaN for the inputs the kernels do not flag (GDN: the gates, k under the L2 norm; the
+        channel cores: q, k, v and the gates; :func:`lane_poison`), 64 where it is not.
       g_first: [L, HV, nc] f32 or None: per chunk, the first row where the raw log-decay is NaN
         or +inf (the channel gate cumsum's, :func:`gdn_jax.ops._gate_cumsum.lane_gate_cumsum`),
         64 where none is; None: in ``nan_from`` (GDN's g, flagged in XLA).
@@ -290,21 +291,27 @@ def loop_poison(k_bad, v_first, lanes: LaneFlags | None, meta, V: int):
     and the rest (``lanes``; None: a lane per sequence and nothing bad but what the kernels find).
 
     Args:
-      k_bad: [L, HV, Tp] f32, non-zero on the rows of k holding a bad value.
+      k_bad: [L, HV, Tp] f32, non-zero on the rows of k holding a bad value, or None (k's flags
+        are in ``lanes``).
       v_first: [L, HV, nc, V] f32 per chunk and column the first bad row of v (64: none), or
         None (v's flags are in ``lanes``).
       meta: the packed lane's per-chunk table (column 1: the sequence whose last chunk this
         is, else -1), or None.
     Returns:
       (nan_from [L, HV, nc, V] f32, end [L or nc, HV, 1 or V] bool: the final states poisoned,
-      the lanes' or, with ``meta``, the sequences' (the first N of nc rows)).
+      the lanes' or, with ``meta``, the sequences' (the first N of nc rows)); (None, None) when
+      nothing is flagged (no kernel flags, no ``lanes`` flags).
     """
-    head = chunk_first_rows(k_bad, 2)
+    firsts = [] if k_bad is None else [chunk_first_rows(k_bad, 2)[..., None]]
     if lanes is not None and lanes.g_first is not None:
-        head = jnp.minimum(head, lanes.g_first)
-    first = head[..., None]  # [L, HV, nc, 1]
+        firsts.append(lanes.g_first[..., None])
     if v_first is not None:
-        first = jnp.minimum(first, v_first)
+        firsts.append(v_first)
+    if not firsts:  # only the op's own flags, or none
+        if lanes is None or lanes.nan_from is None:
+            return None, None
+        return lanes.nan_from, None
+    first = functools.reduce(jnp.minimum, firsts)  # [L, HV, nc, 1 or V]
     nc = first.shape[2]
     c0 = (CHUNK * jnp.arange(nc, dtype=f32))[:, None]
     at = jnp.where(first < CHUNK, c0 + first, jnp.inf)  # lane row of the chunk's first bad value
@@ -333,6 +340,9 @@ def loop_poison(k_bad, v_first, lanes: LaneFlags | None, meta, V: int):
     return nan_from, end
 
 
-def poison_state(ht: jax.Array, end: jax.Array) -> jax.Array:
-    """Final states [S, HV, K, V] with NaN where ``end`` (:func:`loop_poison`) says."""
+def poison_state(ht: jax.Array, end: jax.Array | None) -> jax.Array:
+    """Final states [S, HV, K, V] with NaN where ``end`` (:func:`loop_poison`; None: nowhere)
+    says."""
+    if end is None:
+        return ht
     return ht + jnp.where(end[: ht.shape[0], :, None, :], jnp.nan, 0.0)

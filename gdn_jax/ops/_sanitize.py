@@ -21,7 +21,7 @@ and min-reductions over T of a [B, T, HV] and a [B, T, HV, V] flag (segment-mins
 ``cu_seqlens``). The Pallas paths get the raw q, k, v (and KDA/GDN2 the raw gates): their
 kernels make the same replacement as they load them, so only the flags read those, and their
 chunk loops add the NaN to o as they store it (no pass over the output). GDN's flags are
-:func:`inputs`'; KDA's and GDN2's kernels find those of q, k, g as they load them
+:func:`inputs`'; KDA's and GDN2's gate cumsum finds g's as it loads g
 (:mod:`gdn_jax.ops._channel_pallas`), and :func:`poison` gives the rest. The decode steps'
 Pallas kernel does all of it itself (``pallas_kernels.decode.step``): :func:`inputs` serves
 their xla path only.

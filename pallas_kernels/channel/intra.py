@@ -5,9 +5,9 @@ Two kernels, each one CTA (one warpgroup) per (chunk, value head, batch row): ``
 The two share nothing but G and k; as separate kernels each gets its own register allocation and
 shared-memory footprint instead of the larger of the two. Shared memory would let four qk and
 three wy CTAs share an SM with bf16 io (f16: three qk, three (KDA) or two (GDN2) wy), but
-registers hold both kernels to two: ptxas gives qk 255 registers a thread (with spills) and
-GDN2's wy 202 (bf16) / 229 (f16) at K = V = 128 (``benchmarks/kernel_resources.py``), and
-three CTAs of one warpgroup need at most 168. Per chunk of
+registers hold both kernels to two: ptxas gives GDN2's wy 202 (bf16) / 229 (f16) registers a
+thread at K = V = 128 (``benchmarks/kernel_resources.py``; qk more), and three CTAs of one
+warpgroup need at most 168. Per chunk of
 C = 64 rows, with G the chunk-local cumulative log-decay per key channel ([C, K], natural log,
 f32), b the erase gate and w_gate the write gate (KDA: b = w_gate = β per token), they compute
 the stages of :func:`gdn_jax.reference.chunked.intra_chunk` and the output's intra-chunk matrix:
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +77,6 @@ from pallas_kernels._tiles import (
     chunk_coords,
     ex2_exp,
     finite,
-    nonfinite,
     per_chunk_kernel,
 )
 from pallas_kernels.channel.bwd_decay import (
@@ -408,11 +406,12 @@ def _wy_body(*refs, cfg: ChannelIntraConfig, group: int):
         pl.run_scoped(outer, wop_spec, st_spec, be_spec, bar_spec)
 
 
-def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, group: int):
-    """One CTA per (chunk, value head, batch row): Aqk, qg, kg, and the rows of the raw q and k
-    holding NaN or ±inf (the op's poison, :mod:`gdn_jax.ops._sanitize`, from the loads the
-    products make anyway: a row reduction of each tile in registers): ``qnan`` NaN on q's, else 0
-    (as the chunk loop adds it to o), ``kbad`` 1.0 on k's, else 0.
+def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, *, group: int):
+    """One CTA per (chunk, value head, batch row): Aqk, qg, kg from the raw q and k, whose
+    non-finite values read as 0 (where they are, the op's XLA flags say:
+    :func:`gdn_jax.ops._sanitize.poison`; finding q's and k's bad rows here, a row reduction
+    of each loaded tile, cost the f16 kernel 1.37× its cycles per CTA and the bf16 one 1.06×
+    at KDA B4 T4096 H16 on the H200, ``benchmarks/kernel_regions.py``).
 
     Aqk is contracted over K in K/64 passes of 64 columns, as L in :func:`_wy_body`. Once a
     pass's products have read q and k, qg = q e^{G} and kg = k e^{G_last − G} overwrite them in
@@ -422,15 +421,14 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
 
     SMEM bytes at K = 128 (Mosaic GPU rounds every allocation up to 1 KiB; barriers 8 B each):
 
-      always:    flag rows [2, C] f32 1024; 10 barriers
+      always:    10 barriers
       pass:      q, k [C, 64] 8192 each, G 16384, reference rows 1024, G_last 1024; the
                  factored row / column operands 2 × [C, 64]: bf16 io 16384, f16 io f32 (tf32)
                  32768
       then:      Aqk staging [C, C] 8192
 
-    With the row reductions' scratch, Mosaic's count is 54 352 B with bf16 io (a quarter of an
-    SM) and 70 736 B with f16 io (a third); at 255 registers a thread (with spills) two CTAs run
-    per SM (module docstring).
+    Mosaic's count is 51 280 B with bf16 io (a quarter of an SM) and 67 664 B with f16 io (a
+    third); registers allow two CTAs per SM (module docstring).
     """
     C = CHUNK
     c, hv, b, hk, rows = chunk_coords(group, C)
@@ -438,12 +436,11 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
     dt = k_g.dtype
     fp = _Factored(dt)
 
-    def outer(flag_s, bar):
+    def outer(bar):
         bars = Bars(bar)
 
         @_region("Aqk pass")
-        def p_pass(p, acc, q_s, k_s, g_s, gr_s, gl_s, row_s, col_s):
-            P, flags = (None, None) if acc is None else acc
+        def p_pass(p, P, q_s, k_s, g_s, gr_s, gl_s, row_s, col_s):
             bars.load(
                 [
                     *decay_copies(
@@ -469,10 +466,6 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
             def k_f32():
                 return finite(cp.load_tile(k_s).astype(f32))
 
-            # the rows of these columns holding a bad value, [C] each, combined over the passes
-            bad = [jnp.max(nonfinite(cp.load_tile(x).astype(f32)), axis=1) for x in (q_s, k_s)]
-            if flags is not None:
-                bad = [jnp.maximum(a, f) for a, f in zip(bad, flags, strict=True)]
             P = fp.pass_products(dec, q_f32(), row_s, col_s, k_f32, P)
             # qg = q e^{G}, kg = k e^{G_last − G} (factors ≤ 1), in place
             q_s[...] = (q_f32() * ex2_exp(dec.G())).astype(dt)
@@ -482,9 +475,9 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
             plgpu.copy_smem_to_gmem(k_s, kg_g.at[b, rows, hv, _cols(p)])
             # the next pass's loads, or Aqk's staging, take this memory
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            return P, bad
+            return P
 
-        P, (q_bad, k_bad) = accumulate_passes(
+        P = accumulate_passes(
             p_pass,
             kpass,
             fp.tile(),  # q, then qg
@@ -492,8 +485,6 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
             *decay_smem(C, HALF),  # G, reference rows, G_last
             *fp.operand_tiles(),  # the factored row / column operands
         )
-        flag_s.at[0][...] = jnp.where(q_bad > 0.0, jnp.nan, 0.0)
-        flag_s.at[1][...] = k_bad
         row = cp.iota((C, C), 0)
         col = cp.iota((C, C), 1)
         P = jnp.where(row >= col, jnp.concatenate(P, axis=1), 0.0)
@@ -501,19 +492,13 @@ def _qk_body(q_g, k_g, G_g, gr_g, gl_g, qg_g, kg_g, aqk_g, qnan_g, kbad_g, *, gr
         def store_aqk(st_s):
             st_s[...] = P.astype(dt)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(flag_s.at[0], qnan_g.at[b, hv, rows])
-            plgpu.copy_smem_to_gmem(flag_s.at[1], kbad_g.at[b, hv, rows])
             plgpu.copy_smem_to_gmem(st_s, aqk_g.at[b, rows, hv, :])
             plgpu.wait_smem_to_gmem(0)
 
         with jax.named_scope("store Aqk"):
             pl.run_scoped(store_aqk, cp.smem((C, C), dt))
 
-    pl.run_scoped(
-        outer,
-        cp.smem((2, C), f32, swizzled=False),  # flag rows: q's NaN, k's bad rows
-        plgpu.Barrier(num_barriers=5 * kpass),
-    )
+    pl.run_scoped(outer, plgpu.Barrier(num_barriers=5 * kpass))
 
 
 def reference_rows(G: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -550,21 +535,6 @@ def gated_operands(k, v, b, w_gate) -> tuple[jax.Array, jax.Array]:
     return bk, vw
 
 
-class IntraFlags(NamedTuple):
-    """The raw q's and k's bad values (NaN, ±inf), which the intra kernels find as they load
-    them (the op's poison, :mod:`gdn_jax.ops._sanitize`; v's, which the wy kernel reads as 0,
-    the op's XLA flags find).
-
-    Attributes:
-      q_nan: [B, HV, T] f32, NaN on the rows of q (of each value head's q head) holding one,
-        else 0: the chunk loop's per-row poison as is.
-      k_bad: [B, HV, T] f32, 1.0 on the rows of k holding one, else 0.
-    """
-
-    q_nan: jax.Array
-    k_bad: jax.Array
-
-
 def channel_intra(
     q: jax.Array,
     k: jax.Array,
@@ -573,24 +543,22 @@ def channel_intra(
     b: jax.Array,
     w_gate: jax.Array | None,
     config: ChannelIntraConfig = ChannelIntraConfig(),
-) -> tuple[tuple[jax.Array, ...], IntraFlags]:
+) -> tuple[jax.Array, ...]:
     """Computes qg, kg, w, u, Aqk (and optionally A) for every chunk.
 
     Args:
-      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero. Non-finite
-        values read as 0 (and are flagged).
+      q, k: [B, T, H, K] bf16/f16, T a multiple of 64; padded rows must be zero.
       v: [B, T, HV, V], same dtype; HV % H == 0; K, V ∈ {64, 128} (else NotImplementedError).
-        KDA: non-finite values read as 0 (the op's XLA flags find them).
+        Non-finite values of q, k, v read as 0 (where they are, the op's XLA flags say).
       G: [B, T, HV, K] f32 chunk-local cumulative log-decay (padded rows repeat the last value).
       b: GDN2: [B, T, HV, K] f32 erase gate; KDA (``config.scalar_beta``): β [B, HV, T] f32.
         Padded rows zero.
       w_gate: GDN2: [B, T, HV, V] f32 write gate (padded rows zero); KDA: None.
       config: :class:`ChannelIntraConfig`.
     Returns:
-      (products, flags). products: qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] =
-      k e^{G_last − G}; w [B, T, HV, K]; u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c
-      holds Aqk[t − 64c, :]); all in k.dtype; if ``config.store_a`` also A [B, T, HV, 64] (same
-      row layout). flags: :class:`IntraFlags`.
+      qg [B, T, HV, K] = q e^{G}; kg [B, T, HV, K] = k e^{G_last − G}; w [B, T, HV, K];
+      u [B, T, HV, V]; Aqk [B, T, HV, 64] (row t of chunk c holds Aqk[t − 64c, :]); all in
+      k.dtype; if ``config.store_a`` also A [B, T, HV, 64] (same row layout).
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -615,7 +583,6 @@ def channel_intra(
 
     chunks = T // CHUNK
     group = HV // H
-    rows_flag = jax.ShapeDtypeStruct((B, HV, T), f32)
     wy_out = tuple(out_type[2:4]) + tuple(out_type[5:])
     wy = per_chunk_kernel(
         functools.partial(_wy_body, cfg=config, group=group),
@@ -627,7 +594,7 @@ def channel_intra(
     )
     qk = per_chunk_kernel(
         functools.partial(_qk_body, group=group),
-        (out_type[0], out_type[1], out_type[4], rows_flag, rows_flag),
+        (out_type[0], out_type[1], out_type[4]),
         chunks=chunks,
         HV=HV,
         B=B,
@@ -637,5 +604,5 @@ def channel_intra(
         w, u, *a = wy(k, v, G, gr, b)
     else:
         w, u, *a = wy(k, *gated_operands(k, v, b, w_gate), G, gr)
-    qg, kg, aqk, q_nan, k_bad = qk(q, k, G, gr, gl)
-    return (qg, kg, w, u, aqk, *a), IntraFlags(q_nan, k_bad)
+    qg, kg, aqk = qk(q, k, G, gr, gl)
+    return (qg, kg, w, u, aqk, *a)

@@ -56,7 +56,7 @@ def _f16_inputs(seed, variant, N, T, H, HV, K, g_val=None, V=None):
 def _intra(args, store_a=True):
     q, k, v, G, b, w = args
     cfg = ChannelIntraConfig(scalar_beta=w is None, store_a=store_a)
-    return dict(zip(OUTS, channel_intra(q, k, v, G, b, w, cfg)[0], strict=False))
+    return dict(zip(OUTS, channel_intra(q, k, v, G, b, w, cfg), strict=False))
 
 
 def check_f16(args, *, tol=TOL, jit=False):

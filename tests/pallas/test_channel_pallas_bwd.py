@@ -306,7 +306,7 @@ def _kernel_inputs(seed, variant, N, T, H, HV, K, g=None):
     gr, gl = reference_rows(G)
     bk = b.transpose(0, 2, 1) if w is None else b
     icfg = ChannelIntraConfig(scalar_beta=w is None, store_a=True)
-    qg, kg, wk, u, aqk, A = channel_intra(q, k, v, G, bk, w, icfg)[0]
+    qg, kg, wk, u, aqk, A = channel_intra(q, k, v, G, bk, w, icfg)
     h, vn = channel_chunk_fwd(
         None, kg, wk, u, None, jnp.exp(gl), h0, ChunkFwdConfig(scale=cfg.scale, store_h=True)
     )

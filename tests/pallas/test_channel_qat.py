@@ -106,7 +106,7 @@ def _quantised_products(variant, K, sq, wq):
     cfg, (q, k, v, G, b, w, h0), _ = core_case(3, variant, 1, 128, 1, 2, K, gate_scale=0.05)
     bk = kernel_beta(b) if w is None else b
     icfg = ChannelIntraConfig(scalar_beta=w is None, w_quant=wq)
-    _, kg, wk, u, _ = channel_intra(q, k, v, G, bk, w, icfg)[0]
+    _, kg, wk, u, _ = channel_intra(q, k, v, G, bk, w, icfg)
     egl = jnp.exp(G.reshape(1, 2, 64, 2, K)[:, :, -1]).transpose(0, 2, 1, 3)
     block_v = K if sq == "matrix" else 64
     fcfg = ChunkFwdConfig(scale=cfg.scale, block_v=block_v, store_h=True, state_quant=sq)
