@@ -10,7 +10,11 @@ shape with K = V = 128), a child process lowers the pass and records per Mosaic 
 - ``smem``, ``threads``: Mosaic GPU's shared-memory count per CTA and the CTA's threads
   (:func:`pallas_kernels._compat.record_kernel_launches`);
 - on a GPU also ``registers``, ``stack``, ``spill_stores``, ``spill_loads`` (bytes per thread):
-  ptxas's report on the compiled kernel (Mosaic GPU's ``MOSAIC_GPU_DUMP_PTXAS`` dump);
+  ptxas's report on the compiled kernel (Mosaic GPU's ``MOSAIC_GPU_DUMP_PTXAS`` dump), and
+  ``code_bytes``: the size of its machine code (the ``.text`` sections of the cubin ptxas makes
+  of the dumped PTX, ``MOSAIC_GPU_DUMP_PTX``; None where no ptxas or readelf is found). The
+  channel kernels are straight-line code of up to 143 KiB (``results/kernels_h200.json``), so
+  the size is one to watch beside the registers when a kernel slows as a whole;
 - ``ctas_smem``, ``ctas_regs``, ``ctas``: the CTAs per SM that its shared memory, its registers
   and both allow on a Hopper SM (:func:`ctas_per_sm`).
 
@@ -26,6 +30,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,6 +71,54 @@ def parse_ptxas(text: str) -> dict[str, int]:
     }
 
 
+_TEXT = re.compile(r"\]\s+\.text\.\S+\s+PROGBITS\s+[0-9a-f]+\s+[0-9a-f]+\s+([0-9a-f]+)\s")
+_TARGET = re.compile(r"^\s*\.target\s+(sm_\w+)", re.M)
+
+
+def find_ptxas() -> str | None:
+    """A ptxas binary: on the PATH, else one shipped in a Python package (the CUDA toolchain
+    wheels ``nvidia/*/bin``, Triton's ``triton/backends/nvidia/bin``); None if there is none."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    for root in map(Path, sys.path):
+        for hit in (*root.glob("nvidia/*/bin/ptxas"), root / "triton/backends/nvidia/bin/ptxas"):
+            if hit.is_file():
+                return str(hit)
+    return None
+
+
+def text_bytes(readelf_sections: str) -> int:
+    """The summed size of the ``.text.*`` sections (one per kernel function) in ``readelf -S -W``
+    output of a cubin.
+
+    Raises:
+      ValueError: the listing has no ``.text`` section.
+    """
+    sizes = [int(h, 16) for h in _TEXT.findall(readelf_sections)]
+    if not sizes:
+        raise ValueError(f"no .text section in {readelf_sections!r}")
+    return sum(sizes)
+
+
+def code_bytes(ptx: Path) -> int | None:
+    """Bytes of machine code ptxas makes of one kernel's PTX (for the PTX's own ``.target``);
+    None where ptxas or readelf is missing."""
+    ptxas, readelf = find_ptxas(), shutil.which("readelf")
+    target = _TARGET.search(ptx.read_text())
+    if ptxas is None or readelf is None or target is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "kernel.cubin"
+        subprocess.run(
+            [ptxas, f"-arch={target.group(1)}", "-O3", str(ptx), "-o", str(cubin)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        listing = subprocess.run([readelf, "-S", "-W", str(cubin)], check=True,
+                                 capture_output=True, text=True).stdout  # fmt: skip
+    return text_bytes(listing)
+
+
 def ctas_per_sm(
     smem: int, threads: int, registers: int | None = None
 ) -> tuple[int, int | None, int]:
@@ -82,7 +135,8 @@ def ctas_per_sm(
 
 def rows_for(variant: str, dtype: str, mode: str, launches: dict, ptxas: dict) -> list[dict]:
     """One row per kernel from the child's ``launches`` ({name: {"smem", "threads"}}) and the
-    ptxas reports ``ptxas`` ({name: :func:`parse_ptxas` dict}; empty without a GPU)."""
+    ptxas reports ``ptxas`` ({name: :func:`parse_ptxas` dict, with ``code_bytes`` where
+    measured}; empty without a GPU)."""
     rows = []
     for name in sorted(launches):
         launch, report = launches[name], ptxas.get(name, {})
@@ -94,6 +148,7 @@ def rows_for(variant: str, dtype: str, mode: str, launches: dict, ptxas: dict) -
             "threads": launch["threads"], "smem": launch["smem"],
             "registers": report.get("registers"), "stack": report.get("stack"),
             "spill_stores": report.get("spill_stores"), "spill_loads": report.get("spill_loads"),
+            "code_bytes": report.get("code_bytes"),
             "ctas_smem": by_smem, "ctas_regs": by_regs, "ctas": ctas,
         })  # fmt: skip
     return rows
@@ -120,13 +175,18 @@ def child(variant: str, dtype: str, mode: str) -> None:
 def measure(variant: str, dtype: str, mode: str) -> list[dict]:
     """The rows of one pass, from a child process (its own dump directory)."""
     with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+        env = dict(
+            os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=dump
+        )
         cmd = [sys.executable, __file__, "--child", variant, dtype, mode]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         if out.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-4000:]}")
         launches = json.loads(out.stdout.strip().splitlines()[-1])
         ptxas = {p.stem: parse_ptxas(p.read_text()) for p in Path(dump).glob("*.ptxas")}
+        for name, report in ptxas.items():
+            ptx = Path(dump) / f"{name}.ptx"
+            report["code_bytes"] = code_bytes(ptx) if ptx.is_file() else None
     return rows_for(variant, dtype, mode, launches, ptxas)
 
 
@@ -152,7 +212,7 @@ def main(argv=None) -> int:
             for mode in a.modes:
                 rows += measure(variant, dtype, mode)
     cols = ("variant", "dtype", "mode", "kernel", "threads", "smem", "registers",
-            "spill_stores", "ctas_smem", "ctas_regs", "ctas")  # fmt: skip
+            "spill_stores", "code_bytes", "ctas_smem", "ctas_regs", "ctas")  # fmt: skip
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]!s:>14}" for c in cols))

@@ -377,13 +377,14 @@ def profile_section(doc: dict) -> list[str]:
 
 
 def _resource_cell(r: dict) -> str:
-    """``registers r (+spill B) · CTAs per SM (shared memory's)``; ``—`` for unmeasured
-    registers."""
+    """``registers r (+spill B) · CTAs per SM (shared memory's)`` and, where measured,
+    ``· code KiB``; ``—`` for unmeasured registers."""
     if r.get("registers") is None:
         return f"— · ({r['ctas_smem']})"
     spill = r["spill_stores"] + r["spill_loads"]
     spilled = f" +{spill} B" if spill else ""
-    return f"{r['registers']} r{spilled} · {r['ctas']} ({r['ctas_smem']})"
+    code = "" if r.get("code_bytes") is None else f" · {r['code_bytes'] / 1024:.0f} KiB"
+    return f"{r['registers']} r{spilled} · {r['ctas']} ({r['ctas_smem']}){code}"
 
 
 def kernels_section(doc: dict) -> list[str]:
@@ -405,7 +406,8 @@ def kernels_section(doc: dict) -> list[str]:
         "Per Mosaic GPU kernel of each pass (`kernel_resources.py`): ptxas's registers per "
         "thread (`r`; `+N B`: spill stores + loads per thread), then the CTAs per Hopper SM "
         "that registers and shared memory together allow, and in brackets what shared memory "
-        "alone allows (Mosaic GPU's count per CTA, 228 KiB per SM, 1 KiB reserved per CTA).",
+        "alone allows (Mosaic GPU's count per CTA, 228 KiB per SM, 1 KiB reserved per CTA); "
+        "last, where measured, the kernel's machine code in KiB.",
         "",
     ]
     out += _table(["kernel", "pass", "threads", *(f"{v} {d}" for v, d in cases), "runs"], body)

@@ -1,6 +1,7 @@
 """benchmarks/kernel_resources.py: ptxas reports, CTAs per SM, the rows and their table."""
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -60,20 +61,21 @@ def _report():
 def test_rows_and_their_table():
     launches = {"chan_intra_qk": {"smem": 54_352, "threads": 128},
                 "chan_chunk_fwd": {"smem": 100_000, "threads": 384}}  # fmt: skip
-    ptxas = {"chan_intra_qk": kr.parse_ptxas(SPILLED)}
+    ptxas = {"chan_intra_qk": kr.parse_ptxas(SPILLED) | {"code_bytes": 138_112}}
     rows = kr.rows_for("kda", "bfloat16", "fwd", launches, ptxas)
     qk, loop = sorted(rows, key=lambda r: r["kernel"], reverse=True)
     assert (qk["kernel"], qk["registers"], qk["ctas_smem"], qk["ctas_regs"], qk["ctas"]) == (
         "chan_intra_qk", 255, 4, 2, 2,
     )  # fmt: skip
     assert loop["registers"] is None and loop["ctas"] == loop["ctas_smem"] == 2
+    assert (qk["code_bytes"], loop["code_bytes"]) == (138_112, None)
     doc = {
         "device": "NVIDIA H100 80GB HBM3",
         "runs": [{"date": "d", "commit": "c", "command": "cmd", "note": None, "versions": {}}],
         "rows": [r | {"run": 0} for r in rows],
     }
     text = "\n".join(_report().kernels_section(doc))
-    assert "| `chan_intra_qk` | fwd | 128 | 255 r +112 B · 2 (4) | a |" in text
+    assert "| `chan_intra_qk` | fwd | 128 | 255 r +112 B · 2 (4) · 135 KiB | a |" in text
     assert "| `chan_chunk_fwd` | fwd | 384 | — · (2) | a |" in text
     assert "- **a**: NVIDIA H100 80GB HBM3, d, commit c" in text
 
@@ -87,3 +89,51 @@ def test_cpu_run_lowers_the_kernels_and_counts_their_shared_memory():
     for r in rows:
         assert r["smem"] > 0 and r["threads"] % 128 == 0 and r["registers"] is None, r
         assert r["ctas"] == r["ctas_smem"] == kr.ctas_per_sm(r["smem"], r["threads"])[0]
+
+
+READELF = """Section Headers:
+  [Nr] Name              Type            Address          Off    Size   ES Flg Lk Inf Al
+  [ 0]                   NULL            0000000000000000 000000 000000 00      0   0  0
+  [ 9] .nv.info.k        LOPROC+0        0000000000000000 000514 000044 00   I  3  12  4
+  [12] .text.k           PROGBITS        0000000000000000 000600 000180 00  AX  3   8 128
+  [13] .text.k_helper    PROGBITS        0000000000000000 000780 000020 00  AX  3   8 128
+  [14] .nv.constant0.k   PROGBITS        0000000000000000 0007a0 000218 00  AI  0  12  4
+"""
+
+TINY_PTX = """.version 8.0
+.target sm_90a
+.address_size 64
+.visible .entry twice(.param .u64 p)
+{
+  .reg .b64 %rd<3>;
+  .reg .f32 %f<3>;
+  ld.param.u64 %rd1, [p];
+  cvta.to.global.u64 %rd2, %rd1;
+  ld.global.f32 %f1, [%rd2];
+  add.f32 %f2, %f1, %f1;
+  st.global.f32 [%rd2], %f2;
+  ret;
+}
+"""
+
+
+def test_text_bytes_sums_the_code_sections_only():
+    assert kr.text_bytes(READELF) == 0x180 + 0x20  # not the info or constant sections
+    with pytest.raises(ValueError, match="no .text"):
+        kr.text_bytes(READELF.replace(".text.", ".data."))
+
+
+@pytest.mark.skipif(
+    kr.find_ptxas() is None or shutil.which("readelf") is None, reason="needs ptxas and readelf"
+)
+def test_code_bytes_compiles_ptx_for_its_target(tmp_path):
+    ptx = tmp_path / "twice.ptx"
+    ptx.write_text(TINY_PTX)
+    small = kr.code_bytes(ptx)
+    # SASS instructions are 16 bytes; a longer kernel makes more code
+    assert small > 0 and small % 16 == 0
+    body = "  add.f32 %f2, %f2, %f1;\n" * 64
+    ptx.write_text(TINY_PTX.replace("  st.global", body + "  st.global"))
+    assert kr.code_bytes(ptx) > small
+    ptx.write_text(TINY_PTX.replace(".target sm_90a\n", ""))
+    assert kr.code_bytes(ptx) is None  # no target to compile for
