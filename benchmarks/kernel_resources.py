@@ -9,7 +9,8 @@ shape with K = V = 128), a child process lowers the pass and records per Mosaic 
 
 - ``smem``, ``threads``: Mosaic GPU's shared-memory count per CTA and the CTA's threads
   (:func:`pallas_kernels._compat.record_kernel_launches`);
-- on a GPU also ``registers``, ``stack``, ``spill_stores``, ``spill_loads`` (bytes per thread):
+- on a GPU also ``registers``, ``stack``, ``spill_stores``, ``spill_loads`` (bytes per thread)
+  and ``wgmma_serialized`` (ptxas's note C7514, :func:`pallas_kernels._compat.acc_values`):
   ptxas's report on the compiled kernel (Mosaic GPU's ``MOSAIC_GPU_DUMP_PTXAS`` dump), and
   ``code_bytes``: the size of its machine code (the ``.text`` sections of the cubin ptxas makes
   of the dumped PTX, ``MOSAIC_GPU_DUMP_PTX``; None where no ptxas or readelf is found). The
@@ -51,9 +52,10 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 
 
 def parse_ptxas(text: str) -> dict[str, int]:
-    """``{"registers", "stack", "spill_stores", "spill_loads"}`` of ptxas's verbose report on
-    one kernel (``ptxas info : Used N registers ...`` and ``N bytes stack frame, N bytes spill
-    stores, N bytes spill loads``).
+    """``{"registers", "stack", "spill_stores", "spill_loads", "wgmma_serialized"}`` of ptxas's
+    verbose report on one kernel (``ptxas info : Used N registers ...``, ``N bytes stack frame,
+    N bytes spill stores, N bytes spill loads``, and its note C7514: every wgmma of the kernel
+    serialised because other instructions read an accumulator before its wait).
 
     Raises:
       ValueError: the text holds no register count, or reports on more than one function.
@@ -68,6 +70,7 @@ def parse_ptxas(text: str) -> dict[str, int]:
         "stack": stack,
         "spill_stores": stores,
         "spill_loads": loads,
+        "wgmma_serialized": "(C7514)" in text,
     }
 
 
@@ -149,6 +152,7 @@ def rows_for(variant: str, dtype: str, mode: str, launches: dict, ptxas: dict) -
             "registers": report.get("registers"), "stack": report.get("stack"),
             "spill_stores": report.get("spill_stores"), "spill_loads": report.get("spill_loads"),
             "code_bytes": report.get("code_bytes"),
+            "wgmma_serialized": report.get("wgmma_serialized"),
             "ctas_smem": by_smem, "ctas_regs": by_regs, "ctas": ctas,
         })  # fmt: skip
     return rows
@@ -212,7 +216,8 @@ def main(argv=None) -> int:
             for mode in a.modes:
                 rows += measure(variant, dtype, mode)
     cols = ("variant", "dtype", "mode", "kernel", "threads", "smem", "registers",
-            "spill_stores", "code_bytes", "ctas_smem", "ctas_regs", "ctas")  # fmt: skip
+            "spill_stores", "code_bytes", "wgmma_serialized", "ctas_smem", "ctas_regs",
+            "ctas")  # fmt: skip
     print(" ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]!s:>14}" for c in cols))

@@ -384,7 +384,8 @@ def _resource_cell(r: dict) -> str:
     spill = r["spill_stores"] + r["spill_loads"]
     spilled = f" +{spill} B" if spill else ""
     code = "" if r.get("code_bytes") is None else f" · {r['code_bytes'] / 1024:.0f} KiB"
-    return f"{r['registers']} r{spilled} · {r['ctas']} ({r['ctas_smem']}){code}"
+    serial = " · wgmma serialized" if r.get("wgmma_serialized") else ""
+    return f"{r['registers']} r{spilled} · {r['ctas']} ({r['ctas_smem']}){code}{serial}"
 
 
 def kernels_section(doc: dict) -> list[str]:
@@ -407,7 +408,8 @@ def kernels_section(doc: dict) -> list[str]:
         "thread (`r`; `+N B`: spill stores + loads per thread), then the CTAs per Hopper SM "
         "that registers and shared memory together allow, and in brackets what shared memory "
         "alone allows (Mosaic GPU's count per CTA, 228 KiB per SM, 1 KiB reserved per CTA); "
-        "last, where measured, the kernel's machine code in KiB.",
+        "last, where measured, the kernel's machine code in KiB, and where ptxas serialized "
+        "every wgmma of the kernel (its note C7514).",
         "",
     ]
     out += _table(["kernel", "pass", "threads", *(f"{v} {d}" for v, d in cases), "runs"], body)

@@ -40,6 +40,8 @@ __all__ = [
     "smem",
     "block_spec",
     "matmul",
+    "matmul_sum",
+    "acc_values",
     "row_vec",
     "col_vec",
     "iota",
@@ -320,10 +322,25 @@ def matmul_sum(pairs, shape: tuple[int, int]) -> jax.Array:
     def body(acc):
         for a, b in pairs:
             plgpu.wgmma(acc, a, b)
-        plgpu.wgmma_wait(0)
-        return acc[...]
+        return acc_values(acc)
 
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def acc_values(*accs):
+    """The values of wgmma accumulators once every wgmma in flight is done: one value for one
+    accumulator, else a list.
+
+    The wait and the reads are inline assembly that LLVM only orders among themselves: the
+    registers come from the wgmmas' own instructions, so LLVM may move pure arithmetic on them
+    (a negation, a scaling) above the wait, between a wgmma and its completion. ptxas then
+    serialises every wgmma of the kernel (its note C7514; ``kernel_resources.py`` reports it as
+    ``wgmma_serialized``). The values leave through an optimisation barrier, an assembly
+    statement after the wait that their users depend on.
+    """
+    plgpu.wgmma_wait(0)
+    vals = jax.lax.optimization_barrier([a[...] for a in accs])
+    return vals[0] if len(accs) == 1 else list(vals)
 
 
 def row_vec(ref) -> jax.Array:

@@ -20,14 +20,24 @@ ptxas info    : Used 255 registers, used 2 barriers, 56 bytes cumulative stack s
 """  # noqa: E501
 
 
+SERIALIZED = (
+    "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+    "serialized due to non wgmma instructions reading accumulator registers of  a wgmma between "
+    "start and end of the pipeline stage in the function 'chan_bwd_wy_mosaic_gpu_kernel'\n"
+)
+
+
 def test_parse_ptxas_reads_registers_and_spills():
     assert kr.parse_ptxas(SPILLED) == {
         "registers": 255, "stack": 56, "spill_stores": 56, "spill_loads": 56,
+        "wgmma_serialized": False,
     }  # fmt: skip
     clean = "ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem\n"
     assert kr.parse_ptxas(clean) == {
         "registers": 168, "stack": 0, "spill_stores": 0, "spill_loads": 0,
+        "wgmma_serialized": False,
     }  # fmt: skip
+    assert kr.parse_ptxas(SERIALIZED + clean)["wgmma_serialized"] is True
     with pytest.raises(ValueError, match="one function"):
         kr.parse_ptxas(SPILLED + clean)
     with pytest.raises(ValueError, match="one function"):
@@ -61,7 +71,7 @@ def _report():
 def test_rows_and_their_table():
     launches = {"chan_intra_qk": {"smem": 54_352, "threads": 128},
                 "chan_chunk_fwd": {"smem": 100_000, "threads": 384}}  # fmt: skip
-    ptxas = {"chan_intra_qk": kr.parse_ptxas(SPILLED) | {"code_bytes": 138_112}}
+    ptxas = {"chan_intra_qk": kr.parse_ptxas(SERIALIZED + SPILLED) | {"code_bytes": 138_112}}
     rows = kr.rows_for("kda", "bfloat16", "fwd", launches, ptxas)
     qk, loop = sorted(rows, key=lambda r: r["kernel"], reverse=True)
     assert (qk["kernel"], qk["registers"], qk["ctas_smem"], qk["ctas_regs"], qk["ctas"]) == (
@@ -69,13 +79,15 @@ def test_rows_and_their_table():
     )  # fmt: skip
     assert loop["registers"] is None and loop["ctas"] == loop["ctas_smem"] == 2
     assert (qk["code_bytes"], loop["code_bytes"]) == (138_112, None)
+    assert (qk["wgmma_serialized"], loop["wgmma_serialized"]) == (True, None)
     doc = {
         "device": "NVIDIA H100 80GB HBM3",
         "runs": [{"date": "d", "commit": "c", "command": "cmd", "note": None, "versions": {}}],
         "rows": [r | {"run": 0} for r in rows],
     }
     text = "\n".join(_report().kernels_section(doc))
-    assert "| `chan_intra_qk` | fwd | 128 | 255 r +112 B · 2 (4) · 135 KiB | a |" in text
+    cell = "255 r +112 B · 2 (4) · 135 KiB · wgmma serialized"
+    assert f"| `chan_intra_qk` | fwd | 128 | {cell} | a |" in text
     assert "| `chan_chunk_fwd` | fwd | 384 | — · (2) | a |" in text
     assert "- **a**: NVIDIA H100 80GB HBM3, d, commit c" in text
 
@@ -137,3 +149,15 @@ def test_code_bytes_compiles_ptx_for_its_target(tmp_path):
     assert kr.code_bytes(ptx) > small
     ptx.write_text(TINY_PTX.replace(".target sm_90a\n", ""))
     assert kr.code_bytes(ptx) is None  # no target to compile for
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,dtype", [("gdn", "bfloat16"), ("kda", "bfloat16"),
+                                           ("gdn2", "float16")])  # fmt: skip
+def test_gpu_no_kernel_serializes_its_wgmmas(variant, dtype):
+    """ptxas pipelines every kernel's wgmmas: no instruction reads an accumulator before its
+    wait (``_compat.acc_values``), which would serialise all of the kernel's wgmmas (C7514)."""
+    rows = kr.measure(variant, dtype, "fwdbwd")
+    assert all(r["registers"] is not None for r in rows), rows
+    serialized = [r["kernel"] for r in rows if r["wgmma_serialized"]]
+    assert not serialized, serialized

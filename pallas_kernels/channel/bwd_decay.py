@@ -233,8 +233,7 @@ class Decay:
                     f = ex2_exp(expo)
                 else:  # masked before exp: outside the triangle F would overflow
                     f = ex2_exp(jnp.where(keep, expo, 0.0))
-                plgpu.wgmma_wait(0)
-                t = acc[...] * f
+                t = cp.acc_values(acc) * f
                 return t if keep is None else jnp.where(keep, t, 0.0)
 
             t = pl.run_scoped(body, plgpu.ACC(self.shape, f32))

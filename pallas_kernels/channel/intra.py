@@ -198,8 +198,7 @@ class _Factored:
                 self.stage(row_s, val)
                 plgpu.commit_smem()
                 self.issue(accs[J], row_s, self.col_block(col_s, J))
-            plgpu.wgmma_wait(0)
-            return [a[...] for a in accs]
+            return cp.acc_values(*accs)
 
         out = pl.run_scoped(products, *(plgpu.ACC((C, SUB), f32) for _ in range(NSUB)))
         return out if acc is None else [a + m for a, m in zip(acc, out, strict=True)]

@@ -120,8 +120,7 @@ def _dqkw_body(
         def dw_mm(acc):
             plgpu.wgmma(acc, dvh_s, h_s.T)
             plgpu.wgmma(acc, dvl_s, h_s.T)
-            plgpu.wgmma_wait(0)
-            return acc[...]
+            return cp.acc_values(acc)
 
         dw = -unstage(pl.run_scoped(dw_mm, plgpu.ACC((C, K), f32)), 0)
         # reuse q_s (q no longer needed; an io-dtype dq's store has read it) as dw's staging tile

@@ -86,8 +86,7 @@ def _wy_body(
             plgpu.wgmma(acc, dw_s, kbg_s.T)
             plgpu.wgmma(acc, dvh_s, vb_s.T)
             plgpu.wgmma(acc, dvl_s, vb_s.T)
-            plgpu.wgmma_wait(0)
-            return acc[...]
+            return cp.acc_values(acc)
 
         dA = pl.run_scoped(da_mm, plgpu.ACC((C, C), f32))
         m_s[...] = dA.astype(dt)
@@ -102,8 +101,7 @@ def _wy_body(
         def dvb_mm(acc):
             plgpu.wgmma(acc, a_s.T, dvh_s)
             plgpu.wgmma(acc, a_s.T, dvl_s)
-            plgpu.wgmma_wait(0)
-            return acc[...]
+            return cp.acc_values(acc)
 
         dvb = pl.run_scoped(dvb_mm, plgpu.ACC((C, V), f32))
         db = db + jnp.sum(dvb * v_f32(), axis=1)
@@ -132,8 +130,7 @@ def _wy_body(
             plgpu.wgmma(acc, as_s.T, dw_s)
             plgpu.wgmma(acc, d_s, k_s)
             plgpu.wgmma(acc, d_s.T, k_s)
-            plgpu.wgmma_wait(0)
-            return acc[...]
+            return cp.acc_values(acc)
 
         dk = pl.run_scoped(dk_mm, plgpu.ACC((C, K), f32))
         plgpu.barrier_wait(bar.at[len(srcs)])

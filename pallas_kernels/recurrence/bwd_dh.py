@@ -227,8 +227,7 @@ class _ScalarGate:
             def upd(acc):
                 plgpu.wgmma(acc, qg_s.T, do_s)
                 plgpu.wgmma(acc, w_s.T, ndv_s)
-                plgpu.wgmma_wait(0)
-                return acc[...]
+                return cp.acc_values(acc)
 
             return dH * jnp.exp(g_last) + pl.run_scoped(upd, plgpu.ACC((K, BV), f32))
 
