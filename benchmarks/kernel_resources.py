@@ -51,7 +51,7 @@ _USED = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def parse_ptxas(text: str) -> dict[str, int]:
+def parse_ptxas(text: str) -> dict[str, int | bool]:
     """``{"registers", "stack", "spill_stores", "spill_loads", "wgmma_serialized"}`` of ptxas's
     verbose report on one kernel (``ptxas info : Used N registers ...``, ``N bytes stack frame,
     N bytes spill stores, N bytes spill loads``, and its note C7514: every wgmma of the kernel
