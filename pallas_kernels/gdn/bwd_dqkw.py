@@ -117,12 +117,7 @@ def _dqkw_body(
             emit_tile(dq, out_s, dq_g.at[b, rows, hv, :])
 
         # dw = −dv2 hᵀ with dv2 = hi + lo (both 16-bit)
-        def dw_mm(acc):
-            plgpu.wgmma(acc, dvh_s, h_s.T)
-            plgpu.wgmma(acc, dvl_s, h_s.T)
-            return cp.acc_values(acc)
-
-        dw = -unstage(pl.run_scoped(dw_mm, plgpu.ACC((C, K), f32)), 0)
+        dw = -unstage(cp.matmul_sum(((dvh_s, h_s.T), (dvl_s, h_s.T)), (C, K)), 0)
         # reuse q_s (q no longer needed; an io-dtype dq's store has read it) as dw's staging tile
         q_s[...] = dw.astype(dt)
         plgpu.commit_smem()

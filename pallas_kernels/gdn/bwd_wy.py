@@ -82,13 +82,7 @@ def _wy_body(
         out_s = dk_tile[0] if dk_tile else dvf_s
         plgpu.copy_gmem_to_smem(dks_g.at[b, rows, hv, :], out_s, bar.at[len(srcs)])
 
-        def da_mm(acc):
-            plgpu.wgmma(acc, dw_s, kbg_s.T)
-            plgpu.wgmma(acc, dvh_s, vb_s.T)
-            plgpu.wgmma(acc, dvl_s, vb_s.T)
-            return cp.acc_values(acc)
-
-        dA = pl.run_scoped(da_mm, plgpu.ACC((C, C), f32))
+        dA = cp.matmul_sum(((dw_s, kbg_s.T), (dvh_s, vb_s.T), (dvl_s, vb_s.T)), (C, C))
         m_s[...] = dA.astype(dt)
         plgpu.commit_smem()
 
@@ -98,12 +92,7 @@ def _wy_body(
         db = r * eg_r
         dg_row = r * sc_r
 
-        def dvb_mm(acc):
-            plgpu.wgmma(acc, a_s.T, dvh_s)
-            plgpu.wgmma(acc, a_s.T, dvl_s)
-            return cp.acc_values(acc)
-
-        dvb = pl.run_scoped(dvb_mm, plgpu.ACC((C, V), f32))
+        dvb = cp.matmul_sum(((a_s.T, dvh_s), (a_s.T, dvl_s)), (C, V))
         db = db + jnp.sum(dvb * v_f32(), axis=1)
         vb_s[...] = (dvb * cp.bcast_rows(be_r, (C, V))).astype(dt)  # dv, staged in vb_s
         plgpu.commit_smem()
@@ -126,13 +115,7 @@ def _wy_body(
         d_s[...] = (dLE * cp.bcast_rows(be_r, (C, C))).astype(dt)
         plgpu.commit_smem()
 
-        def dk_mm(acc):
-            plgpu.wgmma(acc, as_s.T, dw_s)
-            plgpu.wgmma(acc, d_s, k_s)
-            plgpu.wgmma(acc, d_s.T, k_s)
-            return cp.acc_values(acc)
-
-        dk = pl.run_scoped(dk_mm, plgpu.ACC((C, K), f32))
+        dk = cp.matmul_sum(((as_s.T, dw_s), (d_s, k_s), (d_s.T, k_s)), (C, K))
         plgpu.barrier_wait(bar.at[len(srcs)])
         dk = dk + cp.load_tile(out_s)
         if dk_io:  # staged in kbg_s, free since dA

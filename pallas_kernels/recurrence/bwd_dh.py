@@ -224,12 +224,8 @@ class _ScalarGate:
                     dv_ref, dv2_g.at[cta.b, pl.ds(cta.at(c) * C, C), cta.hv, cta.cols]
                 )
 
-            def upd(acc):
-                plgpu.wgmma(acc, qg_s.T, do_s)
-                plgpu.wgmma(acc, w_s.T, ndv_s)
-                return cp.acc_values(acc)
-
-            return dH * jnp.exp(g_last) + pl.run_scoped(upd, plgpu.ACC((K, BV), f32))
+            upd = cp.matmul_sum(((qg_s.T, do_s), (w_s.T, ndv_s)), (K, BV))
+            return dH * jnp.exp(g_last) + upd
 
         return backprop
 
